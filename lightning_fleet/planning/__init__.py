@@ -1,0 +1,76 @@
+"""The planning core: describe a cluster and a model, estimate a plan, search for the best plans.
+
+Pure Python: imports neither torch, lightning nor deepspeed, so it runs (and is tested) offline.
+
+>>> from lightning_fleet.planning import load_cluster, load_model, plan
+>>> result = plan(load_model("gpt3-175b"), load_cluster("dgx-a100-80gb-x128"), top=3)
+>>> print(result.best.plan)  # doctest: +SKIP
+"""
+
+from lightning_fleet.planning.cluster import (
+    Calibration,
+    ClusterSpec,
+    DeviceGroup,
+    DeviceSpec,
+    HostSpec,
+    LinkSpec,
+    PeakTflops,
+    cluster_from_dict,
+    cluster_presets,
+    load_cluster,
+)
+from lightning_fleet.planning.errors import FleetError, NoFeasiblePlanError, PlanError, SpecError
+from lightning_fleet.planning.estimate import Estimate, estimate
+from lightning_fleet.planning.model import (
+    BlockSpec,
+    ModelSpec,
+    Precision,
+    Role,
+    TransformerSpec,
+    load_model,
+    load_transformer,
+    model_from_dict,
+    model_presets,
+    transformer_model,
+)
+from lightning_fleet.planning.plan import Axis, Offload, Plan, Recompute, parse_plan
+from lightning_fleet.planning.search import Constraints, PlanResult, Rejection
+from lightning_fleet.planning.search import plan  # bound last: the function, not the plan module
+
+__all__ = [
+    "Axis",
+    "BlockSpec",
+    "Calibration",
+    "ClusterSpec",
+    "Constraints",
+    "DeviceGroup",
+    "DeviceSpec",
+    "Estimate",
+    "FleetError",
+    "HostSpec",
+    "LinkSpec",
+    "ModelSpec",
+    "NoFeasiblePlanError",
+    "Offload",
+    "PeakTflops",
+    "Plan",
+    "PlanError",
+    "PlanResult",
+    "Precision",
+    "Recompute",
+    "Rejection",
+    "Role",
+    "SpecError",
+    "TransformerSpec",
+    "cluster_from_dict",
+    "cluster_presets",
+    "estimate",
+    "load_cluster",
+    "load_model",
+    "load_transformer",
+    "model_from_dict",
+    "model_presets",
+    "parse_plan",
+    "plan",
+    "transformer_model",
+]

@@ -1,0 +1,319 @@
+"""ClusterSpec: what the devices are, how they are grouped into nodes, and how fast their links are.
+
+YAML form (homogeneous)::
+
+    name: dgx-a100-80gb
+    nodes: 4
+    devices_per_node: 8
+    device: {name: A100-SXM4-80GB, memory_gib: 80, peak_tflops: {bf16: 312, fp16: 312, fp32: 19.5}}
+    intra_node: {bandwidth_GBps: 300, latency_us: 5}   # per device, one direction
+    inter_node: {bandwidth_GBps: 25, latency_us: 10}   # per device, one direction
+    host: {memory_gib: 1024, pcie_GBps: 25}            # optional; needed for offload
+    calibration: {...}                                  # optional; fitted constants, see Calibration
+
+A heterogeneous cluster replaces ``nodes/devices_per_node/device`` with
+``groups: [{nodes: 2, devices_per_node: 8, device: {...}}, ...]``; it is planned homogeneously on
+the slowest, smallest device (:meth:`ClusterSpec.planning_device`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from enum import StrEnum
+from importlib import resources
+from pathlib import Path
+from typing import Any, Mapping
+
+from lightning_fleet.planning.errors import SpecError
+from lightning_fleet.planning.yamlspec import (
+    check_keys,
+    dump_yaml,
+    from_mapping,
+    read_yaml,
+    require_non_negative,
+    require_positive,
+    to_mapping,
+)
+
+GIB = 1024**3
+
+
+class LinkLevel(StrEnum):
+    """Where a collective runs: inside one node, or across nodes."""
+
+    INTRA = "intra_node"
+    INTER = "inter_node"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PeakTflops:
+    """Peak dense matmul throughput of one device per number format, in TFLOP/s."""
+
+    bf16: float
+    """Peak with bfloat16 inputs."""
+    fp16: float
+    """Peak with float16 inputs."""
+    fp32: float
+    """Peak with float32 inputs (no TF32)."""
+
+    def __post_init__(self) -> None:
+        require_positive("device.peak_tflops.", bf16=self.bf16, fp16=self.fp16, fp32=self.fp32)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeviceSpec:
+    """One accelerator (or one CPU worker process)."""
+
+    name: str
+    """Marketing name, for reports only."""
+    memory_gib: float
+    """Memory one device has, in GiB."""
+    peak_tflops: PeakTflops
+    """Peak matmul throughput per number format."""
+
+    def __post_init__(self) -> None:
+        require_positive("device.", memory_gib=self.memory_gib)
+
+    @property
+    def memory_bytes(self) -> float:
+        """Device memory in bytes."""
+        return self.memory_gib * GIB
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LinkSpec:
+    """One link level in the alpha-beta model: latency alpha and bandwidth 1/beta, per device, one direction."""
+
+    bandwidth_GBps: float
+    """Bandwidth one device gets in one direction, in GB/s (1e9 bytes per second)."""
+    latency_us: float
+    """Start-up latency of one message, in microseconds."""
+
+    def __post_init__(self) -> None:
+        require_positive("link.", bandwidth_GBps=self.bandwidth_GBps)
+        require_non_negative("link.", latency_us=self.latency_us)
+
+    @property
+    def alpha_s(self) -> float:
+        """Latency of one message, in seconds."""
+        return self.latency_us * 1e-6
+
+    @property
+    def beta_s_per_byte(self) -> float:
+        """Seconds per byte."""
+        return 1.0 / (self.bandwidth_GBps * 1e9)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HostSpec:
+    """The CPU side of one node; needed to plan optimizer or parameter offload."""
+
+    memory_gib: float
+    """Host memory of one node, in GiB."""
+    pcie_GBps: float
+    """Host<->device bandwidth one device gets, one direction, in GB/s."""
+
+    def __post_init__(self) -> None:
+        require_positive("host.", memory_gib=self.memory_gib, pcie_GBps=self.pcie_GBps)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Calibration:
+    """The cost model's free constants. Defaults are stated assumptions; `fleet calibrate` fits them.
+
+    Achieved matmul throughput is ``peak * matmul_efficiency * d / (d + matmul_half_dim)`` where
+    ``d`` is the smallest GEMM dimension one device sees (tokens per micro-batch or hidden/tp):
+    small per-device matrices run far from peak, large ones approach ``matmul_efficiency``.
+    """
+
+    matmul_efficiency: float = 0.6
+    """Fraction of peak that large matmuls reach (Megatron-LM reaches 0.44-0.52 end to end on A100)."""
+    matmul_half_dim: float = 96.0
+    """Per-device GEMM dimension at which half of ``matmul_efficiency`` is reached."""
+    overlap: float = 0.8
+    """Fraction of data-parallel / ZeRO communication hidden behind compute when there is compute to hide behind."""
+    step_overhead_s: float = 0.0
+    """Fixed framework time per optimizer step (optimizer launch, logging), in seconds."""
+    microbatch_overhead_s: float = 0.0
+    """Fixed framework time per micro-batch (kernel launches, Python), in seconds."""
+    cpu_adam_params_per_s: float = 2.0e9
+    """Parameters per second one host updates with DeepSpeed's CPU Adam (offload), shared by its devices."""
+    memory_reserve_fraction: float = 0.05
+    """Fraction of device memory kept free for allocator fragmentation."""
+    memory_reserve_gib: float = 1.0
+    """Fixed device memory taken by the runtime (CUDA context, communicator buffers), in GiB."""
+
+    def __post_init__(self) -> None:
+        require_positive(
+            "calibration.",
+            matmul_efficiency=self.matmul_efficiency,
+            cpu_adam_params_per_s=self.cpu_adam_params_per_s,
+        )
+        require_non_negative(
+            "calibration.",
+            matmul_half_dim=self.matmul_half_dim,
+            overlap=self.overlap,
+            step_overhead_s=self.step_overhead_s,
+            microbatch_overhead_s=self.microbatch_overhead_s,
+            memory_reserve_fraction=self.memory_reserve_fraction,
+            memory_reserve_gib=self.memory_reserve_gib,
+        )
+        for name in ("matmul_efficiency", "overlap", "memory_reserve_fraction"):
+            if getattr(self, name) > 1:
+                raise SpecError(f"calibration.{name} is a fraction and must be <= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeviceGroup:
+    """Nodes that share one device type and node size."""
+
+    nodes: int
+    """Number of nodes in the group."""
+    devices_per_node: int
+    """Devices (worker processes) on each node."""
+    device: DeviceSpec
+    """The device every node of the group has."""
+
+    def __post_init__(self) -> None:
+        require_positive("", nodes=self.nodes, devices_per_node=self.devices_per_node)
+
+
+_HOMOGENEOUS_KEYS = ("nodes", "devices_per_node", "device")
+_COMMON_KEYS = ("name", "intra_node", "inter_node", "host", "calibration")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClusterSpec:
+    """A cluster: groups of identical nodes, two link levels, optional host side and calibration."""
+
+    name: str
+    """Name of the cluster, for reports."""
+    groups: tuple[DeviceGroup, ...]
+    """Device groups; one group for a homogeneous cluster."""
+    intra_node: LinkSpec
+    """Links between devices of one node."""
+    inter_node: LinkSpec
+    """Links between nodes, per device."""
+    host: HostSpec | None = None
+    """Host memory and PCIe bandwidth; None forbids offload."""
+    calibration: Calibration = Calibration()
+    """Fitted constants of the cost model."""
+
+    def __post_init__(self) -> None:
+        if not self.groups:
+            raise SpecError("cluster needs at least one device group")
+
+    @property
+    def world_size(self) -> int:
+        """Total number of devices."""
+        return sum(g.nodes * g.devices_per_node for g in self.groups)
+
+    @property
+    def num_nodes(self) -> int:
+        """Total number of nodes."""
+        return sum(g.nodes for g in self.groups)
+
+    @property
+    def devices_per_node(self) -> int:
+        """Devices per node used for placement (the smallest node, when nodes differ)."""
+        return min(g.devices_per_node for g in self.groups)
+
+    @property
+    def is_homogeneous(self) -> bool:
+        """True when every device and node is alike."""
+        return len({(g.devices_per_node, g.device) for g in self.groups}) == 1
+
+    def planning_device(self) -> DeviceSpec:
+        """The device plans are made for: the least memory and the lowest peak of any group."""
+        devices = [g.device for g in self.groups]
+        if len(set(devices)) == 1:
+            return devices[0]
+        peak = PeakTflops(
+            bf16=min(d.peak_tflops.bf16 for d in devices),
+            fp16=min(d.peak_tflops.fp16 for d in devices),
+            fp32=min(d.peak_tflops.fp32 for d in devices),
+        )
+        names = "/".join(dict.fromkeys(d.name for d in devices))
+        return DeviceSpec(name=f"slowest of {names}", memory_gib=min(d.memory_gib for d in devices), peak_tflops=peak)
+
+    def link(self, level: LinkLevel) -> LinkSpec:
+        """The link spec of one level."""
+        return self.intra_node if level is LinkLevel.INTRA else self.inter_node
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain mapping in the YAML layout (homogeneous form when there is one group)."""
+        out: dict[str, Any] = {"name": self.name}
+        if len(self.groups) == 1:
+            out.update(to_mapping(self.groups[0]))
+        else:
+            out["groups"] = to_mapping(self.groups)
+        out["intra_node"] = to_mapping(self.intra_node)
+        out["inter_node"] = to_mapping(self.inter_node)
+        if self.host is not None:
+            out["host"] = to_mapping(self.host)
+        if self.calibration != Calibration():
+            out["calibration"] = to_mapping(self.calibration)
+        return out
+
+    def to_yaml(self) -> str:
+        """YAML text that :func:`load_cluster` reads back to an equal spec."""
+        return dump_yaml(self.to_dict())
+
+    def with_calibration(self, calibration: Calibration) -> "ClusterSpec":
+        """A copy with other cost-model constants."""
+        return dataclasses.replace(self, calibration=calibration)
+
+
+def cluster_from_dict(data: Mapping[str, Any], where: str = "cluster") -> ClusterSpec:
+    """Build a ClusterSpec from the YAML mapping; errors name the key."""
+    if "groups" in data:
+        check_keys(data, ("groups",) + _COMMON_KEYS, ("name", "groups", "intra_node", "inter_node"), where)
+        if not isinstance(data["groups"], list) or not data["groups"]:
+            raise SpecError(f"{where}.groups must be a non-empty list of device groups")
+        groups = tuple(from_mapping(DeviceGroup, g, f"{where}.groups[{i}]") for i, g in enumerate(data["groups"]))
+        rest = {k: v for k, v in data.items() if k != "groups"}
+    else:
+        check_keys(data, _HOMOGENEOUS_KEYS + _COMMON_KEYS, ("name",) + _HOMOGENEOUS_KEYS + ("intra_node", "inter_node"), where)
+        groups = (from_mapping(DeviceGroup, {k: data[k] for k in _HOMOGENEOUS_KEYS}, where),)
+        rest = {k: v for k, v in data.items() if k not in _HOMOGENEOUS_KEYS}
+    spec = from_mapping(_ClusterRest, rest, where)
+    return ClusterSpec(groups=groups, **{f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)})
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _ClusterRest:
+    """The keys a cluster file has besides its device groups (parsing helper)."""
+
+    name: str
+    intra_node: LinkSpec
+    inter_node: LinkSpec
+    host: HostSpec | None = None
+    calibration: Calibration = Calibration()
+
+
+def cluster_presets() -> list[str]:
+    """Names of the shipped cluster presets."""
+    return sorted(p.name.removesuffix(".yaml") for p in _preset_dir("clusters").iterdir() if p.name.endswith(".yaml"))
+
+
+def load_cluster(source: str | Path) -> ClusterSpec:
+    """Load a cluster from a YAML file path or a preset name (see :func:`cluster_presets`)."""
+    path = _resolve(source, "clusters", cluster_presets)
+    return cluster_from_dict(read_yaml(path, "cluster"), where=f"cluster file {Path(path).name!r}")
+
+
+def _preset_dir(kind: str) -> Any:
+    return resources.files("lightning_fleet.planning") / "presets" / kind
+
+
+def _resolve(source: str | Path, kind: str, names: Any) -> Any:
+    """A path as given, or the preset of that name; error lists the presets."""
+    text = str(source)
+    if Path(text).is_file():
+        return Path(text)
+    preset = _preset_dir(kind) / f"{text}.yaml"
+    if preset.is_file():
+        return preset
+    singular = kind.removesuffix("s")
+    raise SpecError(f"no {singular} file or preset named {text!r}; presets: {', '.join(names())}")

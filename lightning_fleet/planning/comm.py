@@ -1,0 +1,52 @@
+"""Alpha-beta cost of collectives on one link level, and which level a mesh axis runs on.
+
+Ring algorithms (Thakur, Rabenseifner & Gropp 2005, "Optimization of Collective Communication
+Operations in MPICH"; the same terms alpa's LogicalDeviceMesh uses). ``nbytes`` is always the
+full (unsharded) message size; ``n`` the group size; a group of one costs nothing.
+"""
+
+from __future__ import annotations
+
+from lightning_fleet.planning.cluster import LinkLevel, LinkSpec
+from lightning_fleet.planning.plan import Axis, Plan
+
+
+def allreduce_s(nbytes: float, n: int, link: LinkSpec) -> float:
+    """Ring all-reduce: 2(n-1) alpha + 2(n-1)/n * bytes * beta."""
+    if n == 1:
+        return 0.0
+    return 2 * (n - 1) * link.alpha_s + 2 * (n - 1) / n * nbytes * link.beta_s_per_byte
+
+
+def allgather_s(nbytes: float, n: int, link: LinkSpec) -> float:
+    """Ring all-gather of a tensor of ``nbytes`` in total: (n-1) alpha + (n-1)/n * bytes * beta."""
+    if n == 1:
+        return 0.0
+    return (n - 1) * link.alpha_s + (n - 1) / n * nbytes * link.beta_s_per_byte
+
+
+def reduce_scatter_s(nbytes: float, n: int, link: LinkSpec) -> float:
+    """Ring reduce-scatter of ``nbytes`` in total: same cost as the all-gather, (n-1) alpha + (n-1)/n * bytes * beta."""
+    return allgather_s(nbytes, n, link)
+
+
+def p2p_s(nbytes: float, link: LinkSpec) -> float:
+    """One point-to-point message: alpha + bytes * beta."""
+    return link.alpha_s + nbytes * link.beta_s_per_byte
+
+
+def axis_stride(plan: Plan, axis: Axis) -> int:
+    """Rank distance between neighbours on ``axis``: the product of the axes placed inside it."""
+    stride = 1
+    for inner in plan.order:
+        if inner is axis:
+            return stride
+        stride *= getattr(plan, inner.value)
+    raise AssertionError(axis)
+
+
+def axis_level(plan: Plan, axis: Axis, devices_per_node: int) -> LinkLevel:
+    """Intra-node when the axis' whole group spans at most one node's consecutive ranks, else inter-node."""
+    span = axis_stride(plan, axis) * getattr(plan, axis.value)
+    return LinkLevel.INTRA if span <= devices_per_node else LinkLevel.INTER
+

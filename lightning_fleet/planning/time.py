@@ -1,0 +1,189 @@
+"""Step time, one small pure function per term.
+
+A step runs ``gas`` micro-batches through ``pp`` stages. Per micro-batch a stage computes
+forward, backward (2x forward, Narayanan 2021) and any recomputation, runs its tensor-parallel
+collectives (not overlapped, as in Megatron-LM) and its pipeline sends; the slowest stage sets
+the pace, the pipeline adds a bubble, data-parallel / ZeRO communication hides partly behind
+backward, and offload adds PCIe transfers and the CPU optimizer step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lightning_fleet.planning.cluster import Calibration, LinkSpec
+from lightning_fleet.planning.comm import allgather_s, allreduce_s, p2p_s, reduce_scatter_s
+from lightning_fleet.planning.model import Precision
+from lightning_fleet.planning.plan import Offload, Recompute
+from lightning_fleet.planning.stages import StageLoad
+
+
+def gemm_dim(*, mbs: int, seq_length: int, hidden_size: int, tp: int) -> float:
+    """Smallest GEMM dimension one device sees: tokens per micro-batch, or the hidden size split by tp."""
+    return min(mbs * seq_length, hidden_size / tp)
+
+
+def achieved_flops_per_s(peak_flops_per_s: float, dim: float, calibration: Calibration) -> float:
+    """Achieved matmul rate: peak * efficiency * d / (d + d_half) -- a saturating fit of GEMM efficiency vs size (calibrated by `fleet calibrate`)."""
+    return peak_flops_per_s * calibration.matmul_efficiency * dim / (dim + calibration.matmul_half_dim)
+
+
+def forward_s(load: StageLoad, *, mbs: int, tp: int, flops_per_s: float) -> float:
+    """Forward compute of one micro-batch on one device of the stage."""
+    return load.flops * mbs / tp / flops_per_s
+
+
+def backward_s(forward_time_s: float) -> float:
+    """Backward is twice the forward: input and weight gradients (Narayanan 2021, Sec. 5.1)."""
+    return 2.0 * forward_time_s
+
+
+def recompute_s(load: StageLoad, *, mbs: int, tp: int, recompute: Recompute, flops_per_s: float) -> float:
+    """Recomputation is hardware FLOPs (Narayanan 2021): full redoes the layers' forward, selective the attention core (Korthikanti 2022)."""
+    if recompute is Recompute.NONE:
+        return 0.0
+    flops = load.layer_flops if recompute is Recompute.FULL else load.recompute_flops
+    return flops * mbs / tp / flops_per_s
+
+
+def tp_comm_s(load: StageLoad, *, mbs: int, tp: int, recompute: Recompute, link: LinkSpec) -> float:
+    """Tensor-parallel all-reduces of one micro-batch (sp's all-gather + reduce-scatter pairs cost the same); full recompute repeats the layers' forward ones."""
+    messages = load.tp_allreduces
+    nbytes = load.tp_allreduce_bytes
+    if recompute is Recompute.FULL:
+        messages += load.layer_tp_allreduces_fwd
+        nbytes += load.layer_tp_allreduce_fwd_bytes
+    if tp == 1 or messages == 0:
+        return 0.0
+    return messages * allreduce_s(nbytes * mbs / messages, tp, link)
+
+
+def pp_comm_s(load: StageLoad, *, mbs: int, tp: int, sp: bool, pp: int, vpp: int, link: LinkSpec) -> float:
+    """Pipeline sends of one micro-batch: activation forward, gradient backward, per virtual stage; sp sends a 1/tp slice."""
+    if pp == 1:
+        return 0.0
+    nbytes = load.boundary_bytes * mbs / (tp if sp else 1)
+    return 2 * vpp * p2p_s(nbytes, link)
+
+
+def bubble_s(microbatch_s: float, *, pp: int, vpp: int) -> float:
+    """Pipeline fill and drain: (pp - 1) / vpp micro-batch times, i.e. (p-1)/(m*v) of the ideal (Narayanan 2021, Sec. 2.2)."""
+    return (pp - 1) / vpp * microbatch_s
+
+
+def exposed_s(comm_s: float, window_s: float, overlap: float) -> float:
+    """Communication left on the critical path when a fraction ``overlap`` of it can hide behind ``window_s`` of compute."""
+    return comm_s - overlap * min(comm_s, window_s)
+
+
+def dp_comm_s(
+    n: float,
+    *,
+    tp: int,
+    dp: int,
+    zero: int,
+    gas: int,
+    precision: Precision,
+    link: LinkSpec,
+    forward_time_s: float,
+    backward_time_s: float,
+    overlap: float,
+) -> float:
+    """Exposed data-parallel communication per step of a stage holding ``n`` parameters (ZeRO paper Sec. 7; DeepSpeed's overlap_comm).
+
+    zero 0: one gradient all-reduce at the accumulation boundary, hidden behind the last backward.
+    zero 1: reduce-scatter there, all-gather of the updated weights after the step (not hidden).
+    zero 2: a reduce-scatter every micro-batch (each behind its backward) and the weight all-gather.
+    zero 3: every micro-batch gathers the weights for forward and again for backward, and reduce-scatters gradients.
+    """
+    if dp == 1:
+        return 0.0
+    nbytes = precision.element_bytes * n / tp
+    if zero == 0:
+        return exposed_s(allreduce_s(nbytes, dp, link), backward_time_s, overlap)
+    gather = allgather_s(nbytes, dp, link)
+    scatter = reduce_scatter_s(nbytes, dp, link)
+    if zero == 1:
+        return exposed_s(scatter, backward_time_s, overlap) + gather
+    if zero == 2:
+        return gas * exposed_s(scatter, backward_time_s, overlap) + gather
+    # backward's gather and the gradient scatter share the link, so they hide behind backward together
+    per_microbatch = exposed_s(gather, forward_time_s, overlap) + exposed_s(gather + scatter, backward_time_s, overlap)
+    return gas * per_microbatch
+
+
+def offload_s(
+    n: float,
+    *,
+    tp: int,
+    dp: int,
+    gas: int,
+    offload: Offload,
+    precision: Precision,
+    pcie_GBps: float,
+    cpu_adam_params_per_s: float,
+    devices_per_node: int,
+) -> float:
+    """Offload per step (ZeRO-Offload, Ren 2021): gradients to host each micro-batch, weights back once, CPU Adam on the partition (the host's rate shared by its devices); ZeRO-Infinity also fetches weights for every forward and backward."""
+    if offload is Offload.NONE:
+        return 0.0
+    shard_bytes = precision.element_bytes * n / (tp * dp)
+    transfers = gas + 1 + (2 * gas if offload is Offload.OPTIMIZER_PARAMS else 0)
+    adam_s = n / (tp * dp) * devices_per_node / cpu_adam_params_per_s
+    return transfers * shard_bytes / (pcie_GBps * 1e9) + adam_s
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TimeEstimate:
+    """Seconds per optimizer step, by term; they add up to ``step_s``."""
+
+    compute_s: float
+    """Forward, backward and recomputation of the slowest stage, all micro-batches."""
+    tp_comm_s: float
+    """Tensor-parallel collectives of the slowest stage."""
+    pp_comm_s: float
+    """Pipeline sends and receives of the slowest stage."""
+    dp_comm_s: float
+    """Data-parallel / ZeRO communication not hidden behind compute."""
+    bubble_s: float
+    """Pipeline fill and drain."""
+    offload_s: float
+    """Host transfers and CPU optimizer step."""
+    overhead_s: float
+    """Fixed framework time per step and per micro-batch (calibrated)."""
+
+    @property
+    def step_s(self) -> float:
+        """Predicted time of one optimizer step."""
+        return (
+            self.compute_s + self.tp_comm_s + self.pp_comm_s + self.dp_comm_s + self.bubble_s + self.offload_s + self.overhead_s
+        )
+
+    def terms(self) -> dict[str, float]:
+        """The terms by readable name."""
+        return {
+            "compute": self.compute_s,
+            "tp communication": self.tp_comm_s,
+            "pipeline communication": self.pp_comm_s,
+            "dp communication": self.dp_comm_s,
+            "pipeline bubble": self.bubble_s,
+            "offload": self.offload_s,
+            "framework overhead": self.overhead_s,
+        }
+
+    def largest_term(self) -> tuple[str, float]:
+        """Name and seconds of the largest term, for explanations."""
+        return max(self.terms().items(), key=lambda item: item[1])
+
+    def to_dict(self) -> dict[str, float]:
+        """The JSON ``time`` object."""
+        return {
+            "step_s": self.step_s,
+            "compute_s": self.compute_s,
+            "tp_comm_s": self.tp_comm_s,
+            "pp_comm_s": self.pp_comm_s,
+            "dp_comm_s": self.dp_comm_s,
+            "bubble_s": self.bubble_s,
+            "offload_s": self.offload_s,
+            "overhead_s": self.overhead_s,
+        }
