@@ -128,7 +128,7 @@ class _StageTime:
         return self.compute_s + self.tp_s + self.pp_s
 
 
-def _stage_time(model: ModelSpec, hw: Hardware, plan: Plan, load: StageLoad, flops_per_s: float) -> _StageTime:
+def _stage_time(model: ModelSpec, hw: Hardware, plan: Plan, load: StageLoad, flops_per_s: float, links: dict[Axis, LinkSpec]) -> _StageTime:
     fwd = tm.forward_s(load, mbs=plan.mbs, tp=plan.tp, flops_per_s=flops_per_s)
     bwd = tm.backward_s(fwd) + tm.recompute_s(load, mbs=plan.mbs, tp=plan.tp, recompute=plan.recompute, flops_per_s=flops_per_s)
     dp = tm.dp_comm_s(
@@ -138,28 +138,35 @@ def _stage_time(model: ModelSpec, hw: Hardware, plan: Plan, load: StageLoad, flo
         zero=plan.zero,
         gas=plan.gas,
         precision=model.precision,
-        link=hw.link(plan, Axis.DP),
+        link=links[Axis.DP],
         forward_time_s=fwd,
         backward_time_s=bwd,
         overlap=hw.calibration.overlap,
     )
     return _StageTime(
         compute_s=fwd + bwd,
-        tp_s=tm.tp_comm_s(load, mbs=plan.mbs, tp=plan.tp, recompute=plan.recompute, link=hw.link(plan, Axis.TP)),
-        pp_s=tm.pp_comm_s(load, mbs=plan.mbs, tp=plan.tp, sp=plan.sp, pp=plan.pp, vpp=plan.vpp, link=hw.link(plan, Axis.PP)),
+        tp_s=tm.tp_comm_s(load, mbs=plan.mbs, tp=plan.tp, recompute=plan.recompute, link=links[Axis.TP]),
+        pp_s=tm.pp_comm_s(load, mbs=plan.mbs, tp=plan.tp, sp=plan.sp, pp=plan.pp, vpp=plan.vpp, link=links[Axis.PP]),
         dp_s=dp,
     )
 
 
+def achieved_rate(model: ModelSpec, hw: Hardware, plan: Plan) -> float:
+    """Matmul FLOP/s one device reaches at the plan's per-device GEMM size."""
+    dim = tm.gemm_dim(mbs=plan.mbs, seq_length=model.seq_length, hidden_size=model.hidden_size, tp=plan.tp)
+    return tm.achieved_flops_per_s(hw.peak_flops_per_s, dim, hw.calibration)
+
+
 def time_estimate(model: ModelSpec, hw: Hardware, plan: Plan) -> tm.TimeEstimate:
     """Step time: the slowest stage paces the pipeline; the slowest data-parallel group ends the step."""
-    dim = tm.gemm_dim(mbs=plan.mbs, seq_length=model.seq_length, hidden_size=model.hidden_size, tp=plan.tp)
-    rate = tm.achieved_flops_per_s(hw.peak_flops_per_s, dim, hw.calibration)
-    stages = [_stage_time(model, hw, plan, load, rate) for load in stage_loads(model, plan.pp)]
+    rate = achieved_rate(model, hw, plan)
+    links = {axis: hw.link(plan, axis) for axis in Axis}
+    loads = stage_loads(model, plan.pp)
+    stages = [_stage_time(model, hw, plan, load, rate, links) for load in loads]
     slowest = max(stages, key=lambda s: s.microbatch_s)
     calib = hw.calibration
     microbatch_s = slowest.microbatch_s + calib.microbatch_overhead_s
-    largest = max(stage_loads(model, plan.pp), key=lambda load: load.params)
+    largest = max(loads, key=lambda load: load.params)
     return tm.TimeEstimate(
         compute_s=plan.gas * slowest.compute_s,
         tp_comm_s=plan.gas * slowest.tp_s,
@@ -179,6 +186,18 @@ def time_estimate(model: ModelSpec, hw: Hardware, plan: Plan) -> tm.TimeEstimate
         ),
         overhead_s=plan.gas * calib.microbatch_overhead_s + calib.step_overhead_s,
     )
+
+
+def compute_bound_s(model: ModelSpec, hw: Hardware, plan: Plan) -> float:
+    """A lower bound on the step time of ``plan`` under any placement, recomputation and offload.
+
+    Forward and backward of the slowest stage with every communication free, plus the bubble and
+    the fixed overheads: each term of :func:`time_estimate` is at least this large.
+    """
+    rate = achieved_rate(model, hw, plan)
+    fwd = max(tm.forward_s(load, mbs=plan.mbs, tp=plan.tp, flops_per_s=rate) for load in stage_loads(model, plan.pp))
+    microbatch_s = fwd + tm.backward_s(fwd) + hw.calibration.microbatch_overhead_s
+    return plan.gas * microbatch_s + tm.bubble_s(microbatch_s, pp=plan.pp, vpp=plan.vpp) + hw.calibration.step_overhead_s
 
 
 def hardware_flops_per_sample(model: ModelSpec, recompute: Recompute) -> float:

@@ -71,6 +71,7 @@ def activation_bytes_per_sample(load: StageLoad, *, tp: int, sp: bool, recompute
     if recompute is Recompute.FULL:
         kept_rep = load.act_replicated_bytes - load.layer_act_replicated_bytes
         kept_split = load.act_sharded_bytes - load.layer_act_sharded_bytes
+        kept_split += load.act_attention_bytes - load.layer_act_attention_bytes
         return kept_rep / rep_div + kept_split / tp + load.checkpoint_bytes / rep_div
     attention = 0.0 if recompute is Recompute.SELECTIVE else load.act_attention_bytes
     return load.act_replicated_bytes / rep_div + (load.act_sharded_bytes + attention) / tp

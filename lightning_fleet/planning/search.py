@@ -6,13 +6,14 @@ anything. Three pruning rules keep it fast and exact (tests compare it with brut
 * memory never shrinks as the micro-batch grows, so the first micro-batch size that does not fit
   ends that branch;
 * recomputation (none < selective < full) and offload (none < optimizer < optimizer+params) only
-  add time and only remove memory, so for each layout the first variant that fits is the only one
-  that can be fastest;
+  add time and only remove memory, so a fitting variant is priced only when no variant with less
+  of both fits;
 * placements other than the default are priced only when the default puts a collective across nodes.
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import time as _clock
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from lightning_fleet.planning.errors import NoFeasiblePlanError, PlanError
 from lightning_fleet.planning.estimate import (
     Estimate,
     Hardware,
+    compute_bound_s,
     estimate_with,
     memory_estimate,
     stage_activation_bytes,
@@ -60,7 +62,8 @@ class Constraints:
     """Price placements other than tp-dp-pp when the default crosses nodes."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "recompute", tuple(Recompute(r) for r in self.recompute))
+        order = list(Recompute)  # none < selective < full: the search relies on this order
+        object.__setattr__(self, "recompute", tuple(sorted({Recompute(r) for r in self.recompute}, key=order.index)))
         for stage in self.zero_stages:
             if stage not in (0, 1, 2, 3):
                 raise PlanError(f"constraint zero_stages: {stage!r} is not a ZeRO stage (0-3)")
@@ -97,11 +100,13 @@ class PlanResult:
     candidates: int
     """Candidates considered (pruned families counted in full)."""
     feasible: int
-    """Candidates that fit."""
+    """Candidates that fit (each is priced, or dominated by a faster one that fits)."""
     seconds: float
     """Wall time of the search."""
     all_feasible: tuple[Estimate, ...] = field(default=(), repr=False)
-    """Every feasible estimate priced, fastest first (for plots and benchmarks)."""
+    """Every estimate priced, fastest first (every undominated feasible plan when searched exhaustively)."""
+    misfit_plans: tuple[Plan, ...] = field(default=(), repr=False)
+    """The lightest variant of every family that did not fit (for plots)."""
 
     @property
     def best(self) -> Estimate:
@@ -198,17 +203,11 @@ def _refine_placements(model: ModelSpec, hw: Hardware, ranked: list[Estimate], t
     threshold = ranked[min(top, len(ranked)) - 1].time.step_s
     out = []
     for candidate in ranked:
-        if _compute_bound_s(candidate) < threshold and _alternative_orders(candidate.plan, hw):
+        if compute_bound_s(model, hw, candidate.plan) < threshold and _alternative_orders(candidate.plan, hw):
             if estimate_with(model, fastest, candidate.plan).time.step_s < threshold:
                 candidate = _best_placement(model, hw, candidate)
         out.append(candidate)
     return sorted(out, key=_rank_key)
-
-
-def _compute_bound_s(e: Estimate) -> float:
-    """Step time with every communication free: no placement can beat it."""
-    t, p = e.time, e.plan
-    return t.compute_s + t.offload_s + t.overhead_s + (p.pp - 1) / p.vpp * t.compute_s / p.gas
 
 
 def _rank_key(e: Estimate) -> tuple[float, float]:
@@ -217,7 +216,7 @@ def _rank_key(e: Estimate) -> tuple[float, float]:
 
 
 def _gib(nbytes: float) -> str:
-    return f"{nbytes / GIB:.1f} GiB"
+    return f"{nbytes / GIB:.2f} GiB"
 
 
 def explain_misfit(memory: MemoryEstimate) -> str:
@@ -243,18 +242,39 @@ def _explain_slower(candidate: Estimate, best: Estimate) -> str:
     )
 
 
+def _undominated(
+    fitting: list[tuple[Recompute, Offload]], recomputes: tuple[Recompute, ...], offloads: list[Offload]
+) -> list[tuple[Recompute, Offload]]:
+    """Fitting variants with no lighter-weight fitting variant: less recomputation and less offload are never slower."""
+    rank = {v: (recomputes.index(v[0]), offloads.index(v[1])) for v in fitting}
+    return [
+        v
+        for v in fitting
+        if not any(w != v and rank[w][0] <= rank[v][0] and rank[w][1] <= rank[v][1] for w in fitting)
+    ]
+
+
 class _Search:
     """One run of the planner (mutable bookkeeping kept out of the pure functions)."""
 
-    def __init__(self, model: ModelSpec, cluster: ClusterSpec, cons: Constraints) -> None:
-        self.model, self.cons = model, cons
+    def __init__(self, model: ModelSpec, cluster: ClusterSpec, cons: Constraints, *, top: int, exhaustive: bool) -> None:
+        self.model, self.cons, self.top, self.exhaustive = model, cons, top, exhaustive
+        self._top_times: list[float] = []  # negated step times of the best `top` priced so far (a max-heap)
         self.hw = Hardware.of(cluster, model)
         self.has_host = cluster.host is not None
         self.candidates = 0
+        self.feasible_count = 0
         self.feasible: list[Estimate] = []
         self.misfits: list[tuple[float, Rejection]] = []
+        self.misfit_plans: list[Plan] = []
         self.closest: tuple[float, MemoryEstimate, Plan] | None = None
         self._states: dict[tuple[int, int, int, int, Offload], list[tuple[float, ...]]] = {}
+
+    def _cannot_enter_top(self, base: Plan) -> bool:
+        """Branch and bound: skip pricing when even free communication would not beat the top-th time so far."""
+        if self.exhaustive or len(self._top_times) < self.top:
+            return False
+        return compute_bound_s(self.model, self.hw, base) >= -self._top_times[0]
 
     def _state(self, base: Plan, offload: Offload) -> list[tuple[float, ...]]:
         """Per-stage non-activation bytes; they do not depend on mbs, gas, sp or vpp, so they are kept."""
@@ -293,20 +313,32 @@ class _Search:
         hw = self.hw
         acts = {r: [stage_activation_bytes(load, base, r) for load in loads] for r in self.cons.recompute}
         state = {o: self._state(base, o) for o in offloads}
-        for recompute, offload in itertools.product(self.cons.recompute, offloads):
+        fitting = [
+            (recompute, offload)
+            for recompute, offload in itertools.product(self.cons.recompute, offloads)
             if all(
                 a + sum(s[:4]) <= hw.memory_bytes and s[4] <= hw.host_bytes_per_device
                 for a, s in zip(acts[recompute], state[offload])
-            ):
-                plan = base.replace(recompute=recompute, offload=offload)
-                self.feasible.append(estimate_with(self.model, hw, plan))
+            )
+        ]
+        if fitting:
+            self.feasible_count += len(fitting)
+            if self._cannot_enter_top(base):
                 return True
+            for recompute, offload in _undominated(fitting, self.cons.recompute, offloads):
+                priced = estimate_with(self.model, hw, base.replace(recompute=recompute, offload=offload))
+                self.feasible.append(priced)
+                heapq.heappush(self._top_times, -priced.time.step_s)
+                if len(self._top_times) > self.top:
+                    heapq.heappop(self._top_times)
+            return True
         plan = base.replace(recompute=self.cons.recompute[-1], offload=offloads[-1])
         memory = memory_estimate(self.model, hw, plan)
         short = memory.shortfall_bytes()
         if self.closest is None or short < self.closest[0]:
             self.closest = (short, memory, plan)
         self.misfits.append((short, Rejection(plan=str(plan), reason=explain_misfit(memory) + " (and every larger mbs)")))
+        self.misfit_plans.append(plan)
         return False
 
 
@@ -316,10 +348,15 @@ def plan(
     *,
     top: int = 5,
     max_rejected: int = 20,
+    exhaustive: bool = False,
     constraints: Constraints | None = None,
     **constraint_fields: object,
 ) -> PlanResult:
     """Rank every plan for ``model`` on ``cluster``; the keyword arguments are :class:`Constraints` fields.
+
+    The top ``top`` plans are exact. Plans that provably cannot enter them (their step time with all
+    communication free is already slower) are counted but not priced, unless ``exhaustive`` (for
+    plots and benchmarks that want every candidate's estimate in ``all_feasible``).
 
     Raises NoFeasiblePlanError (naming the closest plan, its shortfall and what would help) when no
     candidate fits.
@@ -328,7 +365,7 @@ def plan(
         raise PlanError(f"top must be >= 1, got {top}")
     cons = constraints if constraints is not None else Constraints(**constraint_fields)  # type: ignore[arg-type]
     started = _clock.perf_counter()
-    search = _Search(model, cluster, cons)
+    search = _Search(model, cluster, cons, top=top, exhaustive=exhaustive)
     search.run()
     if not search.feasible:
         raise _nothing_fits(model, cluster, search)
@@ -342,9 +379,10 @@ def plan(
         plans=tuple(ranked[:top]),
         rejected=tuple(slower + misfits),
         candidates=search.candidates,
-        feasible=len(ranked),
+        feasible=search.feasible_count,
         seconds=_clock.perf_counter() - started,
         all_feasible=tuple(ranked),
+        misfit_plans=tuple(search.misfit_plans),
     )
 
 

@@ -11,47 +11,49 @@ from lightning_fleet.planning.model import BlockSpec, ModelSpec, Role
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StageLoad:
-    """Sums over the blocks of one pipeline stage, per sample, before tensor parallelism."""
+    """Sums over the blocks of one pipeline stage, per sample, before tensor parallelism (0 where not given)."""
 
     index: int
     """Stage number, 0 = first."""
-    layers: int
+    layers: int = 0
     """Layer blocks on the stage."""
-    params: int
+    params: int = 0
     """Parameters stored on the stage (tied parameters once when both ends sit here)."""
-    largest_block_params: int
+    largest_block_params: int = 0
     """Parameters of the largest single block (ZeRO-3 gathers one block at a time)."""
-    flops: float
+    flops: float = 0.0
     """Forward FLOPs per sample of all blocks."""
-    layer_flops: float
+    layer_flops: float = 0.0
     """Forward FLOPs per sample of the layer blocks (redone by full recomputation)."""
-    recompute_flops: float
+    recompute_flops: float = 0.0
     """Forward FLOPs per sample redone by selective recomputation."""
-    act_replicated_bytes: float
+    act_replicated_bytes: float = 0.0
     """Saved bytes per sample that tp keeps whole (sp splits them)."""
-    act_sharded_bytes: float
+    act_sharded_bytes: float = 0.0
     """Saved bytes per sample split by tp."""
-    act_attention_bytes: float
+    act_attention_bytes: float = 0.0
     """Saved attention-score bytes per sample (split by tp, dropped by selective recompute)."""
-    layer_act_replicated_bytes: float
+    layer_act_replicated_bytes: float = 0.0
     """The part of act_replicated_bytes that belongs to layer blocks (full recompute drops it)."""
-    layer_act_sharded_bytes: float
+    layer_act_sharded_bytes: float = 0.0
     """The part of act_sharded_bytes that belongs to layer blocks."""
-    checkpoint_bytes: float
+    layer_act_attention_bytes: float = 0.0
+    """The part of act_attention_bytes that belongs to layer blocks."""
+    checkpoint_bytes: float = 0.0
     """Bytes per sample full recomputation keeps: each layer's output."""
-    largest_layer_replicated_bytes: float
+    largest_layer_replicated_bytes: float = 0.0
     """Replicated saved bytes per sample of the largest layer (re-materialised under full recompute)."""
-    largest_layer_split_bytes: float
+    largest_layer_split_bytes: float = 0.0
     """Sharded + attention saved bytes per sample of that layer."""
-    tp_allreduces: int
+    tp_allreduces: int = 0
     """Tensor-parallel all-reduces per micro-batch, forward and backward."""
-    tp_allreduce_bytes: float
+    tp_allreduce_bytes: float = 0.0
     """Bytes per sample moved by those all-reduces (sum of message sizes)."""
-    layer_tp_allreduces_fwd: int
+    layer_tp_allreduces_fwd: int = 0
     """Forward all-reduces of the layer blocks (repeated by full recompute)."""
-    layer_tp_allreduce_fwd_bytes: float
+    layer_tp_allreduce_fwd_bytes: float = 0.0
     """Bytes per sample of those forward all-reduces."""
-    boundary_bytes: float
+    boundary_bytes: float = 0.0
     """Bytes per sample the stage sends to the next one (its last block's output)."""
 
 
@@ -94,6 +96,7 @@ def _stage(model: ModelSpec, pp: int, index: int) -> StageLoad:
         act_attention_bytes=_sum(pairs, "act_attention_bytes"),
         layer_act_replicated_bytes=_sum(pairs, "act_replicated_bytes", Role.LAYER),
         layer_act_sharded_bytes=_sum(pairs, "act_sharded_bytes", Role.LAYER),
+        layer_act_attention_bytes=_sum(pairs, "act_attention_bytes", Role.LAYER),
         checkpoint_bytes=_sum(pairs, "output_bytes", Role.LAYER),
         largest_layer_replicated_bytes=biggest.act_replicated_bytes,
         largest_layer_split_bytes=biggest.act_sharded_bytes + biggest.act_attention_bytes,

@@ -1,0 +1,202 @@
+"""The ``fleet`` command: ``fleet plan`` and ``fleet estimate`` (also ``python -m lightning_fleet``).
+
+Every failure the user can cause ends in one line on stderr, ``fleet: error: ...``, and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from typing import Sequence
+
+from lightning_fleet.planning import (
+    ClusterSpec,
+    Constraints,
+    Estimate,
+    FleetError,
+    ModelSpec,
+    PlanResult,
+    cluster_presets,
+    estimate,
+    load_cluster,
+    load_model,
+    model_presets,
+    parse_plan,
+    plan,
+)
+from lightning_fleet.planning.cluster import GIB
+
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports errors as one line with exit code 2, like every other fleet error."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise FleetError(message)
+
+
+def _add_specs(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help=f"model YAML path or preset ({', '.join(model_presets())})")
+    parser.add_argument("--cluster", required=True, help=f"cluster YAML path or preset ({', '.join(cluster_presets())})")
+    parser.add_argument("--global-batch-size", type=int, help="override the model file's global_batch_size")
+    parser.add_argument("--nodes", type=int, help="override the node count of a homogeneous cluster")
+    parser.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``fleet`` command."""
+    parser = _Parser(prog="fleet", description="Plan and estimate parallel layouts for large-model training.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    est = sub.add_parser("estimate", help="predict memory and step time of one plan")
+    _add_specs(est)
+    est.add_argument("--plan", required=True, help='plan string, e.g. "dp=4,tp=2,pp=1,zero=1,mbs=2"')
+
+    pln = sub.add_parser("plan", help="rank every plan and explain the choice")
+    _add_specs(pln)
+    pln.add_argument("--top", type=int, default=5, help="how many plans to show (default 5)")
+    pln.add_argument("--plot", metavar="FILE.png", help="scatter of step time vs peak memory of every candidate")
+    pln.add_argument("--zero-stages", default="0,1,2,3", help="ZeRO stages to consider, comma-separated")
+    pln.add_argument("--max-tp", type=int, help="largest tensor-parallel degree")
+    pln.add_argument("--max-pp", type=int, help="largest pipeline-parallel degree")
+    pln.add_argument("--max-vpp", type=int, help="largest number of virtual pipeline stages (1: no interleaving)")
+    pln.add_argument("--no-offload", action="store_true", help="never offload to host memory")
+    pln.add_argument("--no-sp", action="store_true", help="never use sequence parallelism")
+    return parser
+
+
+def _load(args: argparse.Namespace) -> tuple[ModelSpec, ClusterSpec]:
+    model = load_model(args.model)
+    cluster = load_cluster(args.cluster)
+    if args.global_batch_size is not None:
+        if args.global_batch_size < 1:
+            raise FleetError(f"--global-batch-size must be >= 1, got {args.global_batch_size}")
+        model = dataclasses.replace(model, global_batch_size=args.global_batch_size)
+    if args.nodes is not None:
+        if args.nodes < 1 or len(cluster.groups) != 1:
+            raise FleetError("--nodes needs a positive count and a homogeneous cluster file")
+        cluster = dataclasses.replace(cluster, groups=(dataclasses.replace(cluster.groups[0], nodes=args.nodes),))
+    return model, cluster
+
+
+def _constraints(args: argparse.Namespace) -> Constraints:
+    try:
+        zero = tuple(int(z) for z in args.zero_stages.split(",") if z.strip())
+    except ValueError:
+        raise FleetError(f"--zero-stages must be comma-separated integers, got {args.zero_stages!r}") from None
+    return Constraints(
+        zero_stages=zero,
+        max_tp=args.max_tp,
+        max_pp=args.max_pp,
+        max_vpp=args.max_vpp,
+        allow_offload=not args.no_offload,
+        allow_sp=not args.no_sp,
+    )
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / GIB:.1f}"
+
+
+def _console():
+    """A rich console; 160 columns when stdout is not a terminal, so plan strings are never cut."""
+    from rich.console import Console
+
+    return Console(width=None if sys.stdout.isatty() else 160)
+
+
+def _print_estimate(e: Estimate, cluster: ClusterSpec) -> None:
+    from rich.table import Table
+
+    console = _console()
+    console.print(f"[bold]{e.model.name}[/] on [bold]{cluster.name}[/] ({e.world_size} devices): {e.plan}")
+    mem = Table("memory per device (worst stage)", "GiB", title=None)
+    for name, value in e.memory.terms().items():
+        mem.add_row(name, _gib(value))
+    mem.add_row("[bold]total[/]", f"[bold]{_gib(e.memory.total_bytes)}[/] of {_gib(e.memory.limit_bytes)}")
+    if e.memory.host_bytes:
+        mem.add_row("host (offload)", f"{_gib(e.memory.host_bytes)} of {_gib(e.memory.host_limit_bytes)}")
+    tim = Table("time per step", "s")
+    for name, value in e.time.terms().items():
+        tim.add_row(name, f"{value:.4g}")
+    tim.add_row("[bold]step[/]", f"[bold]{e.time.step_s:.4g}[/]")
+    console.print(mem, tim)
+    verdict = "[green]fits[/]" if e.fits else "[red]does not fit[/]"
+    console.print(
+        f"{verdict}; {e.samples_per_s:.4g} samples/s, {e.model_tflops_per_device:.1f} model TFLOP/s per device "
+        f"({e.hardware_tflops_per_device:.1f} hardware)"
+    )
+
+
+def _print_plan(result: PlanResult, model: ModelSpec, cluster: ClusterSpec) -> None:
+    from rich.table import Table
+
+    console = _console()
+    console.print(
+        f"[bold]{model.name}[/] ({model.params / 1e9:.3g} B params, global batch {model.global_batch_size}) on "
+        f"[bold]{cluster.name}[/] ({cluster.world_size} devices): {result.candidates} candidates, "
+        f"{result.feasible} fit, searched in {result.seconds:.3f} s"
+    )
+    table = Table("#", "plan", "step s", "GiB/device", "TFLOP/s/dev", "largest time term")
+    table.columns[1].overflow = "fold"
+    for rank, e in enumerate(result.plans, 1):
+        term, seconds = e.time.largest_term()
+        table.add_row(
+            str(rank),
+            str(e.plan),
+            f"{e.time.step_s:.4g}",
+            f"{_gib(e.memory.total_bytes)}/{_gib(e.memory.limit_bytes)}",
+            f"{e.model_tflops_per_device:.1f}",
+            f"{term} {seconds:.3g} s",
+        )
+    console.print(table)
+    if result.rejected:
+        why = Table("not chosen", "why", title="runners-up, then misfits (closest first)")
+        why.columns[0].overflow = "fold"
+        slower = [r for r in result.rejected if r.reason.startswith("slower")][:5]
+        misfits = [r for r in result.rejected if not r.reason.startswith("slower")][:5]
+        for r in slower + misfits:
+            why.add_row(r.plan, r.reason)
+        console.print(why)
+
+
+def _run(argv: Sequence[str] | None) -> int:
+    args = build_parser().parse_args(argv)
+    model, cluster = _load(args)
+    if args.command == "estimate":
+        result = estimate(model, cluster, parse_plan(args.plan, global_batch_size=model.global_batch_size))
+        if args.json:
+            print(json.dumps(result.to_dict()))
+        else:
+            _print_estimate(result, cluster)
+        return 0
+    if args.top < 1:
+        raise FleetError(f"--top must be >= 1, got {args.top}")
+    result = plan(model, cluster, top=args.top, exhaustive=bool(args.plot), constraints=_constraints(args))
+    if args.plot:
+        from lightning_fleet.plotting import plot_candidates
+
+        plot_candidates(result, model, cluster, args.plot)
+    if args.json:
+        print(json.dumps(result.to_dict()))
+    else:
+        _print_plan(result, model, cluster)
+        if args.plot:
+            print(f"plot written to {args.plot}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``fleet`` console script; returns the exit code."""
+    try:
+        return _run(argv)
+    except FleetError as err:
+        print(f"fleet: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The test command of the README: set up the environment, then run the whole suite.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+bash scripts/setup-env.sh
+export OMP_NUM_THREADS=1
+exec .venv/bin/python -m pytest "$@"

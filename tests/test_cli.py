@@ -1,0 +1,144 @@
+"""The fleet command: JSON shapes, readable tables, plots, and exit code 2 with one line for bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_fleet.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+ESTIMATE_KEYS = {
+    "model": {"params", "flops_per_sample"},
+    "plan": {"dp", "tp", "pp", "zero", "mbs", "gas", "recompute", "sp", "vpp", "offload"},
+    "memory": {"params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "other_bytes", "total_bytes", "limit_bytes", "host_bytes"},
+    "time": {"step_s", "compute_s", "tp_comm_s", "pp_comm_s", "dp_comm_s", "bubble_s", "offload_s"},
+    "throughput": {"samples_per_s", "tokens_per_s", "model_tflops_per_device", "hardware_tflops_per_device"},
+}
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def check_estimate_shape(obj: dict) -> None:
+    for key, fields in ESTIMATE_KEYS.items():
+        assert fields <= set(obj[key]), (key, set(obj[key]))
+    assert isinstance(obj["fits"], bool)
+    assert isinstance(obj["model"]["params"], int)
+    memory = obj["memory"]
+    assert memory["total_bytes"] == pytest.approx(sum(memory[k] for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "other_bytes")))
+    time = obj["time"]
+    assert time["step_s"] == pytest.approx(sum(v for k, v in time.items() if k != "step_s"))
+
+
+def test_estimate_json_is_one_object_with_the_documented_fields(capsys):
+    """fleet estimate --json prints exactly one JSON object with every documented key."""
+    code, out, err = run_cli(capsys, "estimate", "--model", "gpt3-175b", "--cluster", "dgx-a100-80gb-x128", "--plan", "dp=8,tp=8,pp=16,mbs=1,recompute=full", "--json")
+    assert code == 0 and err == ""
+    obj = json.loads(out)
+    check_estimate_shape(obj)
+    assert obj["plan"] == {**obj["plan"], "dp": 8, "tp": 8, "pp": 16, "gas": 192, "recompute": "full", "zero": 0, "sp": False, "vpp": 1, "offload": "none"}
+    assert obj["fits"] is True
+
+
+def test_plan_json_lists_plans_rejections_and_search(capsys):
+    """fleet plan --json: plans best first, rejected with reasons, search counts and seconds."""
+    code, out, _ = run_cli(capsys, "plan", "--model", "gpt-1.7b", "--cluster", "dgx-a100-80gb", "--top", "3", "--json")
+    assert code == 0
+    obj = json.loads(out)
+    assert len(obj["plans"]) == 3
+    for e in obj["plans"]:
+        check_estimate_shape(e)
+        assert e["fits"]
+    steps = [e["time"]["step_s"] for e in obj["plans"]]
+    assert steps == sorted(steps)
+    assert all(set(r) == {"plan", "reason"} and r["reason"] for r in obj["rejected"])
+    assert set(obj["search"]) >= {"candidates", "feasible", "seconds"}
+    assert obj["search"]["candidates"] >= obj["search"]["feasible"] >= 3
+
+
+def test_plan_table_and_plot(capsys, tmp_path):
+    """Without --json a readable table; --plot writes a PNG."""
+    png = tmp_path / "plan.png"
+    code, out, _ = run_cli(capsys, "plan", "--model", "gpt-1.7b", "--cluster", "dgx-a100-80gb", "--top", "2", "--plot", str(png))
+    assert code == 0
+    assert "candidates" in out and "step s" in out and "dp=" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_estimate_table(capsys):
+    """Without --json the estimate prints memory and time terms and a verdict."""
+    code, out, _ = run_cli(capsys, "estimate", "--model", "gpt-tiny", "--cluster", "cpu", "--plan", "dp=2")
+    assert code == 0
+    assert "optimizer states" in out and "pipeline bubble" in out and "fits" in out
+
+
+BAD = [
+    (["plan", "--model", "nope", "--cluster", "cpu"], "no model file or preset named 'nope'"),
+    (["plan", "--model", "gpt-tiny", "--cluster", "cpu", "--top", "0"], "--top must be >= 1"),
+    (["plan", "--model", "gpt-tiny", "--cluster", "cpu", "--zero-stages", "1,x"], "--zero-stages must be comma-separated integers"),
+    (["plan", "--model", "gpt-tiny", "--cluster", "cpu", "--zero-stages", "5"], "5 is not a ZeRO stage"),
+    (["plan", "--model", "gpt-tiny", "--cluster", "cpu", "--global-batch-size", "0"], "--global-batch-size must be >= 1"),
+    (["estimate", "--model", "gpt-tiny", "--cluster", "cpu", "--plan", "dp=4,tp=2"], "dp(4) * tp(2) * pp(1) = 8 != world size 2"),
+    (["estimate", "--model", "gpt-tiny", "--cluster", "cpu", "--plan", "dp=1,tp=2,mbs=3"], "global batch size 16 is not divisible by dp(1) * mbs(3) = 3"),
+    (["estimate", "--model", "gpt-tiny", "--cluster", "cpu", "--plan", "dp=1,tp=2,pp=1,gas=3"], "dp(1) * mbs(1) * gas(3) = 3 != global batch size 16"),
+    (["estimate", "--model", "gpt-tiny", "--cluster", "cpu", "--plan", "dp=2,flavour=3"], "unknown key 'flavour'"),
+    (["estimate", "--model", "gpt-tiny", "--cluster", "cpu", "--plan", "dp=2,zero=7"], "zero must be 0, 1, 2 or 3, got 7"),
+    (["estimate", "--model", "gpt-3-x", "--cluster", "cpu", "--plan", "dp=2"], "no model file or preset"),
+    (["plan", "--model", "gpt3-175b", "--cluster", "cpu"], "needs"),
+    (["frobnicate"], "invalid choice: 'frobnicate'"),
+    (["plan", "--model", "gpt-tiny"], "the following arguments are required: --cluster"),
+]
+
+
+@pytest.mark.parametrize("argv,message", BAD)
+def test_bad_input_exits_2_with_one_line(capsys, argv, message):
+    """Every bad input: exit code 2, nothing on stdout, exactly one line on stderr naming the problem."""
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 2
+    assert out == ""
+    assert err.count("\n") == 1 and err.startswith("fleet: error: ")
+    assert message in err
+
+
+def test_estimate_names_every_factor_of_an_impossible_plan(capsys):
+    """A plan that is wrong in several ways names each factor."""
+    code, _, err = run_cli(capsys, "estimate", "--model", "gpt-tiny", "--cluster", "dgx-a100-80gb", "--plan", "dp=1,tp=3,pp=3,gas=4")
+    assert code == 2
+    for part in ("dp(1) * tp(3) * pp(3) = 9 != world size 8", "tp(3) does not divide num_heads(4)", "pp(3) * vpp(1) = 3 does not divide num_layers(4)", "dp(1) * mbs(1) * gas(4) = 4 != global batch size 16"):
+        assert part in err
+
+
+@pytest.mark.parametrize("command", [["fleet"], [sys.executable, "-m", "lightning_fleet"]])
+def test_console_script_and_module_both_work(command, tmp_path):
+    """The installed `fleet` script and `python -m lightning_fleet` run the same CLI, and bad input exits 2."""
+    if command == ["fleet"]:
+        script = Path(sys.executable).with_name("fleet")
+        assert script.exists(), "the console script is installed with the package"
+        command = [str(script)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    ok = subprocess.run([*command, "plan", "--model", "gpt-tiny", "--cluster", "cpu", "--json"], capture_output=True, text=True, env=env, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["plans"]
+    bad = subprocess.run([*command, "plan", "--model", "gpt-tiny", "--cluster", str(tmp_path / "missing.yaml")], capture_output=True, text=True, env=env, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.startswith("fleet: error: ") and bad.stderr.count("\n") == 1
+
+
+def test_planning_core_imports_no_torch_lightning_or_deepspeed():
+    """lightning_fleet.planning (and the CLI) stand alone: importing them loads no heavy framework."""
+    code = (
+        "import sys, lightning_fleet.planning, lightning_fleet.cli; "
+        "bad = sorted(m for m in ('torch', 'lightning', 'deepspeed', 'pytorch_lightning') if m in sys.modules); "
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr

@@ -1,0 +1,349 @@
+"""Tier-1 tests of the step-time terms (lightning_fleet/planning/time.py).
+
+Every expected value is written out by hand: a literal or a visible arithmetic expression with the source formula named.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_fleet.planning.cluster import Calibration, LinkSpec
+from lightning_fleet.planning.model import Precision
+from lightning_fleet.planning.plan import Offload, Recompute
+from lightning_fleet.planning.stages import StageLoad
+from lightning_fleet.planning.time import (
+    TimeEstimate,
+    achieved_flops_per_s,
+    backward_s,
+    bubble_s,
+    dp_comm_s,
+    exposed_s,
+    forward_s,
+    gemm_dim,
+    offload_s,
+    pp_comm_s,
+    recompute_s,
+    tp_comm_s,
+)
+
+REL = 1e-9
+LINK = LinkSpec(bandwidth_GBps=100, latency_us=5)  # alpha = 5e-6 s, beta = 1e-11 s/B
+
+
+def _load(**fields: float) -> StageLoad:
+    """A hand-built StageLoad: every field 0 unless given."""
+    return StageLoad(**{"index": 0, **fields})
+
+
+# Forward 1e12 FLOPs/sample (8e11 in layers, 1e11 of it attention core); 8 tp all-reduces moving 8e6 B/sample,
+# 3 of them forward ones of the layers (3e6 B/sample); 1e6 B/sample sent to the next stage.
+LOAD = _load(
+    layers=2,
+    flops=1e12,
+    layer_flops=8e11,
+    recompute_flops=1e11,
+    tp_allreduces=8,
+    tp_allreduce_bytes=8e6,
+    layer_tp_allreduces_fwd=3,
+    layer_tp_allreduce_fwd_bytes=3e6,
+    boundary_bytes=1e6,
+)
+
+
+# --- compute ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("mbs", "s", "h", "tp", "expected"),
+    [
+        (2, 1024, 4096, 8, 4096 / 8),  # min(2048 tokens, 512) = 512
+        (1, 256, 4096, 1, 256),  # min(256 tokens, 4096) = 256
+        (4, 512, 1024, 2, 512),  # min(2048, 512) = 512
+        (1, 64, 1000, 8, 64),  # min(64, 125) = 64
+    ],
+)
+def test_gemm_dim(mbs: int, s: int, h: int, tp: int, expected: float) -> None:
+    """Smallest per-device GEMM dimension: min(mbs * s, h / tp)."""
+    assert gemm_dim(mbs=mbs, seq_length=s, hidden_size=h, tp=tp) == pytest.approx(expected, rel=REL)
+
+
+@pytest.mark.parametrize(
+    ("dim", "efficiency", "half", "expected"),
+    [
+        (100, 0.5, 100.0, 1e15 * 0.5 * 100 / (100 + 100)),  # d = d_half: half of the efficiency, 2.5e14
+        (300, 0.6, 100.0, 1e15 * 0.6 * 300 / (300 + 100)),  # 4.5e14
+        (512, 0.6, 96.0, 1e15 * 0.6 * 512 / (512 + 96)),
+        (50, 0.8, 0.0, 1e15 * 0.8),  # no half-dim: the plain efficiency
+    ],
+)
+def test_achieved_flops_per_s(dim: float, efficiency: float, half: float, expected: float) -> None:
+    """Saturating fit: peak * matmul_efficiency * d / (d + matmul_half_dim)."""
+    calibration = Calibration(matmul_efficiency=efficiency, matmul_half_dim=half)
+    assert achieved_flops_per_s(1e15, dim, calibration) == pytest.approx(expected, rel=REL)
+
+
+def test_achieved_flops_per_s_approaches_efficiency() -> None:
+    """Saturating fit: for d >> d_half the rate tends to peak * efficiency from below."""
+    calibration = Calibration(matmul_efficiency=0.5, matmul_half_dim=100.0)
+    big = achieved_flops_per_s(1e15, 1e8, calibration)
+    assert big < 0.5e15
+    assert big == pytest.approx(0.5e15 * 1e8 / (1e8 + 100), rel=REL)
+
+
+def test_forward_s() -> None:
+    """Forward of one micro-batch on one device: flops * mbs / tp / rate."""
+    # 1e12 * 2 / 4 / 1e14 = 5e-3 s
+    assert forward_s(LOAD, mbs=2, tp=4, flops_per_s=1e14) == pytest.approx(5e-3, rel=REL)
+    # 1e12 * 1 / 1 / 2e14 = 5e-3 s
+    assert forward_s(LOAD, mbs=1, tp=1, flops_per_s=2e14) == pytest.approx(5e-3, rel=REL)
+
+
+def test_backward_s() -> None:
+    """Narayanan 2021 Sec. 5.1: backward = 2 * forward."""
+    assert backward_s(5e-3) == pytest.approx(1e-2, rel=REL)
+    assert backward_s(0.0) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("recompute", "expected"),
+    [
+        (Recompute.NONE, 0.0),
+        (Recompute.SELECTIVE, 1e11 * 2 / 4 / 1e14),  # attention core: 5e-4 s
+        (Recompute.FULL, 8e11 * 2 / 4 / 1e14),  # all layers' forward: 4e-3 s
+    ],
+)
+def test_recompute_s(recompute: Recompute, expected: float) -> None:
+    """Narayanan 2021 / Korthikanti 2022: full redoes the layers' forward, selective the attention core, none nothing."""
+    assert recompute_s(LOAD, mbs=2, tp=4, recompute=recompute, flops_per_s=1e14) == pytest.approx(expected, rel=REL)
+
+
+# --- tensor-parallel and pipeline communication --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("recompute", "expected"),
+    [
+        # 8 messages of 8e6 * 2 / 8 = 2e6 B each, ring all-reduce over 4: 2*3*5e-6 + 2*3/4*2e6/1e11 = 6e-5
+        (Recompute.NONE, 8 * (2 * 3 * 5e-6 + 2 * 3 / 4 * 2e6 / 100e9)),  # 4.8e-4
+        (Recompute.SELECTIVE, 8 * (2 * 3 * 5e-6 + 2 * 3 / 4 * 2e6 / 100e9)),  # selective repeats no all-reduce
+        # full: 8 + 3 messages, (8e6 + 3e6) * 2 / 11 = 2e6 B each
+        (Recompute.FULL, 11 * (2 * 3 * 5e-6 + 2 * 3 / 4 * 2e6 / 100e9)),  # 6.6e-4
+    ],
+)
+def test_tp_comm_s(recompute: Recompute, expected: float) -> None:
+    """Megatron-LM tp: messages * allreduce(bytes * mbs / messages, tp); full recompute adds the layers' forward all-reduces."""
+    assert tp_comm_s(LOAD, mbs=2, tp=4, recompute=recompute, link=LINK) == pytest.approx(expected, rel=REL)
+
+
+def test_tp_comm_s_tp1_and_no_messages() -> None:
+    """tp = 1 or no tensor-parallel all-reduce costs 0 s."""
+    assert tp_comm_s(LOAD, mbs=2, tp=1, recompute=Recompute.FULL, link=LINK) == 0.0
+    assert tp_comm_s(_load(), mbs=2, tp=8, recompute=Recompute.FULL, link=LINK) == 0.0
+
+
+def test_tp_comm_s_unequal_messages_sum() -> None:
+    """Ring all-reduce is affine in bytes, so the averaged message equals the sum over unequal messages."""
+    load = _load(tp_allreduces=2, tp_allreduce_bytes=1e6 + 3e6)  # one 1e6 B and one 3e6 B message per sample
+    expected = (2 * 1 * 5e-6 + 1e6 / 100e9) + (2 * 1 * 5e-6 + 3e6 / 100e9)  # tp=2: 2*1*alpha + 2*1/2*bytes*beta each
+    assert tp_comm_s(load, mbs=1, tp=2, recompute=Recompute.NONE, link=LINK) == pytest.approx(expected, rel=REL)
+
+
+@pytest.mark.parametrize(
+    ("sp", "pp", "vpp", "expected"),
+    [
+        (False, 1, 1, 0.0),  # no pipeline, no sends
+        (False, 2, 1, 2 * 1 * (5e-6 + 1e6 * 2 / 100e9)),  # fwd + bwd of 2e6 B: 2 * 2.5e-5 = 5e-5
+        (False, 4, 2, 2 * 2 * (5e-6 + 1e6 * 2 / 100e9)),  # per virtual stage: 1e-4
+        (True, 2, 1, 2 * 1 * (5e-6 + 1e6 * 2 / 4 / 100e9)),  # sp sends a 1/tp slice: 2 * 1e-5 = 2e-5
+        (True, 2, 3, 2 * 3 * (5e-6 + 1e6 * 2 / 4 / 100e9)),  # 6e-5
+    ],
+)
+def test_pp_comm_s(sp: bool, pp: int, vpp: int, expected: float) -> None:
+    """Pipeline sends per micro-batch: 2 * vpp * p2p(boundary * mbs / (tp if sp else 1))."""
+    got = pp_comm_s(LOAD, mbs=2, tp=4, sp=sp, pp=pp, vpp=vpp, link=LINK)
+    assert got == pytest.approx(expected, rel=REL)
+
+
+# --- bubble and overlap ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("pp", "vpp", "expected"),
+    [
+        (1, 1, 0.0),  # no pipeline, no bubble
+        (4, 1, (4 - 1) / 1 * 0.1),  # 0.3 s
+        (4, 3, (4 - 1) / 3 * 0.1),  # 0.1 s
+        (8, 2, (8 - 1) / 2 * 0.1),  # 0.35 s
+    ],
+)
+def test_bubble_s(pp: int, vpp: int, expected: float) -> None:
+    """Narayanan 2021 Sec. 2.2: bubble = (p - 1) / v micro-batch times."""
+    assert bubble_s(0.1, pp=pp, vpp=vpp) == pytest.approx(expected, rel=REL)
+
+
+@pytest.mark.parametrize(("pp", "vpp", "m"), [(4, 1, 8), (4, 2, 8), (8, 4, 32), (2, 1, 1)])
+def test_bubble_fraction_of_ideal(pp: int, vpp: int, m: int) -> None:
+    """Narayanan 2021: bubble time fraction = (p - 1) / (m * v) of the ideal m * t_mb."""
+    t_mb = 0.25
+    ideal = m * t_mb
+    assert bubble_s(t_mb, pp=pp, vpp=vpp) / ideal == pytest.approx((pp - 1) / (m * vpp), rel=REL)
+
+
+@pytest.mark.parametrize(
+    ("comm", "window", "overlap", "expected"),
+    [
+        (1.0, 0.5, 0.8, 1.0 - 0.8 * 0.5),  # window shorter than comm: 0.6
+        (1.0, 2.0, 0.8, 1.0 - 0.8 * 1.0),  # window longer: 0.2
+        (1.0, 2.0, 1.0, 0.0),  # fully hidden
+        (1.0, 0.25, 1.0, 0.75),  # hidden up to the window
+        (1.0, 2.0, 0.0, 1.0),  # no overlap
+        (0.0, 2.0, 0.8, 0.0),  # nothing to hide
+    ],
+)
+def test_exposed_s(comm: float, window: float, overlap: float, expected: float) -> None:
+    """Exposed communication = comm - overlap * min(comm, window)."""
+    assert exposed_s(comm, window, overlap) == pytest.approx(expected, rel=REL)
+
+
+# --- data-parallel / ZeRO communication ----------------------------------------------------------
+
+# n = 4e9 params, tp = 4, bf16: nbytes = 2 * 4e9 / 4 = 2e9 B per device; dp = 8 on LINK.
+AR = 2 * 7 * 5e-6 + 2 * 7 / 8 * 2e9 / 100e9  # ring all-reduce: 7e-5 + 0.035 = 0.03507
+AG = 7 * 5e-6 + 7 / 8 * 2e9 / 100e9  # all-gather / reduce-scatter: 3.5e-5 + 0.0175 = 0.017535
+RS = AG
+GAS = 4
+FWD, BWD = 0.01, 0.02  # forward and backward of one micro-batch, seconds
+
+
+def _dp(zero: int, overlap: float, *, dp: int = 8) -> float:
+    return dp_comm_s(
+        4e9,
+        tp=4,
+        dp=dp,
+        zero=zero,
+        gas=GAS,
+        precision=Precision.BF16_MIXED,
+        link=LINK,
+        forward_time_s=FWD,
+        backward_time_s=BWD,
+        overlap=overlap,
+    )
+
+
+@pytest.mark.parametrize(
+    ("zero", "expected"),
+    [
+        (0, AR),  # one all-reduce: 0.03507
+        (1, RS + AG),  # reduce-scatter + weight all-gather: 0.03507
+        (2, GAS * RS + AG),  # a reduce-scatter per micro-batch + the all-gather: 5 * 0.017535 = 0.087675
+        (3, GAS * (AG + AG + RS)),  # forward gather, backward gather, scatter per micro-batch: 12 * 0.017535 = 0.21042
+    ],
+)
+def test_dp_comm_s_no_overlap(zero: int, expected: float) -> None:
+    """ZeRO paper Sec. 7 volumes with overlap 0: everything exposed."""
+    assert _dp(zero, 0.0) == pytest.approx(expected, rel=REL)
+
+
+@pytest.mark.parametrize(
+    ("zero", "expected"),
+    [
+        (0, 0.03507 - 0.02),  # all-reduce minus the backward window: 0.01507
+        (1, 0.0 + 0.017535),  # scatter (0.017535 < 0.02) fully hidden, gather after the step exposed
+        (2, 4 * 0.0 + 0.017535),  # each micro-batch's scatter hidden, the gather exposed
+        # per micro-batch: (gather - fwd window) + (gather + scatter - bwd window) = 0.007535 + 0.01507 = 0.022605
+        (3, 4 * ((0.017535 - 0.01) + (0.017535 + 0.017535 - 0.02))),  # 0.09042
+    ],
+)
+def test_dp_comm_s_full_overlap_finite_window(zero: int, expected: float) -> None:
+    """DeepSpeed overlap_comm with overlap 1: hidden up to the forward / backward window, rest exposed."""
+    assert _dp(zero, 1.0) == pytest.approx(expected, rel=REL)
+
+
+@pytest.mark.parametrize(
+    ("zero", "expected"),
+    [
+        (0, 0.03507 - 0.5 * 0.02),  # 0.02507
+        (1, (0.017535 - 0.5 * 0.017535) + 0.017535),  # 0.0263025
+        (2, 4 * (0.017535 - 0.5 * 0.017535) + 0.017535),  # 0.05261
+        (3, 4 * ((0.017535 - 0.5 * 0.01) + (0.03507 - 0.5 * 0.02))),  # 4 * (0.012535 + 0.02507) = 0.15042
+    ],
+)
+def test_dp_comm_s_half_overlap(zero: int, expected: float) -> None:
+    """Exposed = comm - overlap * min(comm, window) per ZeRO stage, at overlap 0.5."""
+    assert _dp(zero, 0.5) == pytest.approx(expected, rel=REL)
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_dp_comm_s_dp1_is_free(zero: int) -> None:
+    """No data parallelism, no data-parallel communication."""
+    assert _dp(zero, 0.0, dp=1) == 0.0
+
+
+def test_dp_comm_s_fp32_doubles_bytes() -> None:
+    """fp32 gradients are 4 B/param: zero 0 all-reduce of 4 * 4e9 / 4 = 4e9 B over dp=8."""
+    got = dp_comm_s(
+        4e9,
+        tp=4,
+        dp=8,
+        zero=0,
+        gas=GAS,
+        precision=Precision.FP32,
+        link=LINK,
+        forward_time_s=FWD,
+        backward_time_s=BWD,
+        overlap=0.0,
+    )
+    assert got == pytest.approx(2 * 7 * 5e-6 + 2 * 7 / 8 * 4e9 / 100e9, rel=REL)  # 7e-5 + 0.07
+
+
+# --- offload ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("offload", "precision", "expected"),
+    [
+        (Offload.NONE, Precision.BF16_MIXED, 0.0),
+        # shard 2 * 1e9 / (2 * 4) = 2.5e8 B; gas + 1 = 4 transfers at 25 GB/s = 0.04 s;
+        # CPU Adam 1e9 / 8 params * 8 devices / 2e9 params/s = 0.5 s
+        (Offload.OPTIMIZER, Precision.BF16_MIXED, (3 + 1) * 2.5e8 / 25e9 + 1.25e8 * 8 / 2e9),  # 0.54
+        # ZeRO-Infinity: + 2 * gas weight fetches = 10 transfers: 0.1 s + 0.5 s
+        (Offload.OPTIMIZER_PARAMS, Precision.BF16_MIXED, (3 + 1 + 2 * 3) * 2.5e8 / 25e9 + 1.25e8 * 8 / 2e9),  # 0.6
+        # fp32: shard 4 * 1e9 / 8 = 5e8 B
+        (Offload.OPTIMIZER, Precision.FP32, (3 + 1) * 5e8 / 25e9 + 1.25e8 * 8 / 2e9),  # 0.08 + 0.5
+    ],
+)
+def test_offload_s(offload: Offload, precision: Precision, expected: float) -> None:
+    """ZeRO-Offload (Ren 2021): (gas + 1 [+ 2 gas]) shard transfers over PCIe + CPU Adam on the host-shared rate."""
+    got = offload_s(
+        1e9,
+        tp=2,
+        dp=4,
+        gas=3,
+        offload=offload,
+        precision=precision,
+        pcie_GBps=25.0,
+        cpu_adam_params_per_s=2e9,
+        devices_per_node=8,
+    )
+    assert got == pytest.approx(expected, rel=REL)
+
+
+# --- TimeEstimate -------------------------------------------------------------------------------
+
+
+def test_time_estimate_step_is_sum_of_terms() -> None:
+    """TimeEstimate.step_s = compute + tp + pp + dp + bubble + offload + overhead."""
+    est = TimeEstimate(
+        compute_s=1.0,
+        tp_comm_s=0.25,
+        pp_comm_s=0.125,
+        dp_comm_s=0.5,
+        bubble_s=0.375,
+        offload_s=0.0625,
+        overhead_s=0.03125,
+    )
+    expected = 1.0 + 0.25 + 0.125 + 0.5 + 0.375 + 0.0625 + 0.03125  # 2.34375
+    assert est.step_s == pytest.approx(expected, rel=REL)
+    assert sum(est.terms().values()) == pytest.approx(expected, rel=REL)
+    assert est.to_dict()["step_s"] == pytest.approx(expected, rel=REL)
+    assert est.largest_term() == ("compute", 1.0)
