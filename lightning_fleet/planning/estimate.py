@@ -275,12 +275,12 @@ def check_plan(model: ModelSpec, cluster: ClusterSpec, plan: Plan) -> None:
         raise PlanError(f"plan {plan} offloads to the host, but cluster {cluster.name!r} has no host section (memory_gib, pcie_GBps)")
 
 
-def estimate_with(model: ModelSpec, hw: Hardware, plan: Plan) -> Estimate:
-    """Estimate on pre-derived hardware (the search calls this in its inner loop)."""
+def estimate_with(model: ModelSpec, hw: Hardware, plan: Plan, memory: mem.MemoryEstimate | None = None) -> Estimate:
+    """Estimate on pre-derived hardware (the search calls this in its inner loop, with the memory it already has)."""
     return Estimate(
         model=model,
         plan=plan,
-        memory=memory_estimate(model, hw, plan),
+        memory=memory if memory is not None else memory_estimate(model, hw, plan),
         time=time_estimate(model, hw, plan),
         world_size=hw.world_size,
     )

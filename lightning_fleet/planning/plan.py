@@ -129,7 +129,7 @@ class Plan:
 
     def replace(self, **changes: object) -> "Plan":
         """A copy with some fields changed (validated again)."""
-        return dataclasses.replace(self, **changes)
+        return Plan(**{**{name: getattr(self, name) for name in _FIELDS}, **changes})
 
     def check(self, *, world_size: int, num_layers: int, num_heads: int, global_batch_size: int) -> None:
         """Raise PlanError naming every factor when the plan does not fit this world, model and batch."""
@@ -146,6 +146,9 @@ class Plan:
             )
         if problems:
             raise PlanError("plan " + str(self) + " is invalid: " + "; ".join(problems))
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(Plan))
 
 
 def _enum(cls: type, value: object, name: str):

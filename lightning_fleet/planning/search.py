@@ -29,6 +29,7 @@ from lightning_fleet.planning.estimate import (
     memory_estimate,
     stage_activation_bytes,
     stage_state_bytes,
+    time_estimate,
 )
 from lightning_fleet.planning.memory import MemoryEstimate
 from lightning_fleet.planning.model import ModelSpec
@@ -187,7 +188,7 @@ def _alternative_orders(plan: Plan, hw: Hardware) -> list[tuple[Axis, ...]]:
 def _best_placement(model: ModelSpec, hw: Hardware, default: Estimate) -> Estimate:
     best = default
     for order in _alternative_orders(default.plan, hw):
-        other = estimate_with(model, hw, default.plan.replace(order=order))
+        other = estimate_with(model, hw, default.plan.replace(order=order), default.memory)  # placement moves no bytes
         if other.time.step_s < best.time.step_s:
             best = other
     return best
@@ -204,7 +205,7 @@ def _refine_placements(model: ModelSpec, hw: Hardware, ranked: list[Estimate], t
     out = []
     for candidate in ranked:
         if compute_bound_s(model, hw, candidate.plan) < threshold and _alternative_orders(candidate.plan, hw):
-            if estimate_with(model, fastest, candidate.plan).time.step_s < threshold:
+            if time_estimate(model, fastest, candidate.plan).step_s < threshold:
                 candidate = _best_placement(model, hw, candidate)
         out.append(candidate)
     return sorted(out, key=_rank_key)
@@ -270,6 +271,24 @@ class _Search:
         self.closest: tuple[float, MemoryEstimate, Plan] | None = None
         self._states: dict[tuple[int, int, int, int, Offload], list[tuple[float, ...]]] = {}
 
+    def _worst(self, acts: list[float], state: list[tuple[float, ...]], loads) -> MemoryEstimate:
+        """The worst stage's MemoryEstimate, built from the sums the search already has."""
+        stages = [
+            MemoryEstimate(
+                params_bytes=params,
+                grads_bytes=grads,
+                optimizer_bytes=optimizer,
+                activations_bytes=a,
+                other_bytes=other,
+                limit_bytes=self.hw.memory_bytes,
+                host_bytes=host,
+                host_limit_bytes=self.hw.host_bytes_per_device,
+                stage=load.index,
+            )
+            for a, (params, grads, optimizer, other, host), load in zip(acts, state, loads)
+        ]
+        return max(stages, key=MemoryEstimate.shortfall_bytes)
+
     def _cannot_enter_top(self, base: Plan) -> bool:
         """Branch and bound: skip pricing when even free communication would not beat the top-th time so far."""
         if self.exhaustive or len(self._top_times) < self.top:
@@ -326,7 +345,8 @@ class _Search:
             if self._cannot_enter_top(base):
                 return True
             for recompute, offload in _undominated(fitting, self.cons.recompute, offloads):
-                priced = estimate_with(self.model, hw, base.replace(recompute=recompute, offload=offload))
+                memory = self._worst(acts[recompute], state[offload], loads)
+                priced = estimate_with(self.model, hw, base.replace(recompute=recompute, offload=offload), memory)
                 self.feasible.append(priced)
                 heapq.heappush(self._top_times, -priced.time.step_s)
                 if len(self._top_times) > self.top:
