@@ -1,7 +1,10 @@
 """lightning_fleet: adaptive large-model training for PyTorch Lightning.
 
+``import lightning_fleet`` registers the strategy names ``fleet``, ``fleet_zero3`` and
+``fleet_offload`` (as soon as Lightning is imported), so ``Trainer(strategy="fleet")`` works.
 The planning core (:mod:`lightning_fleet.planning`) describes clusters and models, prices parallel
-layouts and chooses one; it imports neither torch, lightning nor deepspeed.
+layouts and chooses one; it imports neither torch, lightning nor deepspeed, and neither does
+``import lightning_fleet`` itself: :class:`FleetStrategy` loads on first use.
 """
 
 from lightning_fleet.planning import (
@@ -19,13 +22,28 @@ from lightning_fleet.planning import (
     plan,
 )
 
+from lightning_fleet import registration as _registration
+
 __version__ = "0.1.0"
+
+_registration.install()
+
+
+def __getattr__(name: str):
+    """FleetStrategy is imported lazily (it needs torch, Lightning and DeepSpeed)."""
+    if name == "FleetStrategy":
+        from lightning_fleet.strategy import FleetStrategy
+
+        return FleetStrategy
+    raise AttributeError(f"module 'lightning_fleet' has no attribute {name!r}")
+
 
 __all__ = [
     "ClusterSpec",
     "Constraints",
     "Estimate",
     "FleetError",
+    "FleetStrategy",
     "ModelSpec",
     "Plan",
     "PlanResult",

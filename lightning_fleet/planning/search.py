@@ -51,6 +51,8 @@ class Constraints:
     """Highest ZeRO stage allowed together with pp > 1 (DeepSpeed's pipeline engine: 1)."""
     allow_offload: bool = True
     """Consider optimizer / parameter offload (needs a host section in the cluster)."""
+    require_offload: bool = False
+    """Consider only plans that offload (implies allow_offload)."""
     recompute: tuple[Recompute, ...] = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
     """Recomputation modes to consider."""
     allow_sp: bool = True
@@ -130,9 +132,11 @@ def divisors(n: int) -> list[int]:
 
 
 def _offloads(zero: int, cons: Constraints, has_host: bool) -> list[Offload]:
-    if not (cons.allow_offload and has_host) or zero == 0:
-        return [Offload.NONE]
-    return [Offload.NONE, Offload.OPTIMIZER] + ([Offload.OPTIMIZER_PARAMS] if zero == 3 else [])
+    """Offload modes to try for a ZeRO stage, lightest first (empty when offload is required but impossible)."""
+    if not ((cons.allow_offload or cons.require_offload) and has_host) or zero == 0:
+        return [] if cons.require_offload else [Offload.NONE]
+    modes = [Offload.NONE, Offload.OPTIMIZER] + ([Offload.OPTIMIZER_PARAMS] if zero == 3 else [])
+    return modes[1:] if cons.require_offload else modes
 
 
 @dataclass(frozen=True, slots=True)
@@ -314,6 +318,8 @@ class _Search:
 
     def _micro_batches(self, layout: _Layout, vpp: int, sp: bool, zero: int, batch: int, mbs_values: list[int]) -> None:
         offloads = _offloads(zero, self.cons, self.has_host)
+        if not offloads:
+            return
         family = len(self.cons.recompute) * len(offloads)
         for i, mbs in enumerate(mbs_values):
             base = Plan(dp=layout.dp, tp=layout.tp, pp=layout.pp, zero=zero, mbs=mbs, gas=batch // mbs, sp=sp, vpp=vpp)

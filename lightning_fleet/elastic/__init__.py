@@ -1,0 +1,1 @@
+"""Data order and (in later work) fault tolerance: samplers keyed by global sample index."""

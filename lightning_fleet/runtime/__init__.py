@@ -1,0 +1,1 @@
+"""Applying a Plan: DeepSpeed configuration (pure), runtime limits fed back to the planner."""

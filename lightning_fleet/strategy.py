@@ -1,0 +1,437 @@
+"""FleetStrategy: profile the LightningModule, read the cluster, plan, and train the plan with DeepSpeed.
+
+It extends Lightning's DeepSpeedStrategy at its seams and holds no cost logic: the planning core
+chooses, :func:`lightning_fleet.runtime.deepspeed_config.deepspeed_config` translates, DeepSpeed runs.
+On CPU it lifts Lightning's CUDA-only restriction so DeepSpeed's CPU accelerator (gloo) is used.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from torch.utils.data import DataLoader, IterableDataset
+
+from lightning_fleet import calibrate
+from lightning_fleet.elastic.sampler import GlobalBatchSampler, MicroBatchCollate, MicroBatches
+from lightning_fleet.planning import (
+    ClusterSpec,
+    Estimate,
+    FleetError,
+    ModelSpec,
+    Offload,
+    Plan,
+    PlanResult,
+    Precision,
+    Recompute,
+    estimate,
+    load_cluster,
+    parse_plan,
+)
+from lightning_fleet.planning import plan as search_plans
+from lightning_fleet.planning.cluster import GIB
+from lightning_fleet.profiling import batch_size_of, find_layers, profile_module, tensor_parallel_hook
+from lightning_fleet.runtime.deepspeed_config import deepspeed_config, runtime_constraints
+
+_PRECISIONS = {
+    "32-true": Precision.FP32,
+    "32": Precision.FP32,
+    "bf16-mixed": Precision.BF16_MIXED,
+    "bf16-true": Precision.BF16_MIXED,
+    "16-mixed": Precision.FP16_MIXED,
+    "16-true": Precision.FP16_MIXED,
+}
+
+
+class FleetStrategy(DeepSpeedStrategy):
+    """Chooses the parallel layout (ZeRO stage, offload, tp, micro-batch, accumulation, recomputation) and trains it.
+
+    ``Trainer(strategy="fleet")`` after ``import lightning_fleet``; or ``FleetStrategy(...)`` with:
+
+    Args:
+        plan: force a layout, e.g. ``"dp=2,zero=3,mbs=4"`` (validated against the world); None: plan it.
+        global_batch_size: samples per optimizer step; None: the training DataLoader's batch size
+            times the world size (what plain DDP would use).
+        cluster: cluster YAML path, preset name or ClusterSpec overriding detection; None: measure
+            this machine (cached per host).
+        allow_offload: let the planner offload optimizer states or parameters to host memory.
+        require_offload: only consider plans that offload (the ``fleet_offload`` preset).
+        max_tp: largest tensor-parallel degree (needs the module's ``fleet_tensor_parallel()``).
+        max_pp: largest pipeline degree.
+        zero_stages: ZeRO stages the planner may choose from.
+        top: how many plans the start-up table lists.
+        timeout: collective timeout, so a dead peer fails the job instead of hanging it.
+    """
+
+    strategy_name = "fleet"
+
+    def __init__(
+        self,
+        plan: str | None = None,
+        global_batch_size: int | None = None,
+        cluster: str | Path | ClusterSpec | None = None,
+        allow_offload: bool = True,
+        require_offload: bool = False,
+        max_tp: int | None = None,
+        max_pp: int | None = None,
+        zero_stages: tuple[int, ...] | list[int] = (0, 1, 2, 3),
+        top: int = 3,
+        timeout: timedelta = timedelta(minutes=10),
+        accelerator: Any = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: Any = None,
+        precision_plugin: Any = None,
+        process_group_backend: str | None = None,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        if global_batch_size is not None and global_batch_size < 1:
+            raise FleetError(f"FleetStrategy(global_batch_size={global_batch_size}): must be a positive integer")
+        self.forced_plan = plan
+        self.global_batch_size = global_batch_size
+        self.cluster_source = cluster
+        self.allow_offload = allow_offload or require_offload
+        self.require_offload = require_offload
+        self.max_tp, self.max_pp = max_tp, max_pp
+        self.zero_stages = tuple(zero_stages)
+        self.top = top
+        self.plan: Plan | None = None
+        """The plan being trained (set at setup)."""
+        self.estimate: Estimate | None = None
+        """The cost model's prediction for :attr:`plan`."""
+        self.model_spec: ModelSpec | None = None
+        """The profiled module."""
+        self.cluster: ClusterSpec | None = None
+        """The cluster planned for (measured or given)."""
+        self._shuffle = True
+        self._step_started: float | None = None
+        self._step_times: list[float] = []
+
+    # --- Lightning's CUDA-only seams, lifted on CPU ---------------------------------------------
+
+    def setup_environment(self) -> None:
+        """DeepSpeedStrategy refuses non-CUDA accelerators; on CPU take the DDP path (gloo)."""
+        if self.root_device.type == "cuda":
+            super().setup_environment()
+        else:
+            DDPStrategy.setup_environment(self)
+
+    def setup_distributed(self) -> None:
+        """DeepSpeed's device-index check rejects CPU devices (index None); skip it there."""
+        if self.root_device.type == "cuda":
+            return super().setup_distributed()
+        reset_seed()
+        self.set_world_ranks()
+        self._init_deepspeed_distributed()
+
+    def _setup_model_and_optimizer(self, model, optimizer, lr_scheduler=None):  # type: ignore[no-untyped-def]
+        """deepspeed.initialize with the local rank as device rank (Lightning passes None on CPU)."""
+        import argparse
+
+        import deepspeed
+
+        engine, ds_optimizer, _, _ = deepspeed.initialize(
+            args=argparse.Namespace(device_rank=self.local_rank if self.root_device.index is None else self.root_device.index),
+            config=self.config,
+            model=model,
+            model_parameters=filter(lambda p: p.requires_grad, model.parameters()),
+            optimizer=optimizer,
+            lr_scheduler=lr_scheduler,
+            dist_init_required=False,
+        )
+        return engine, ds_optimizer
+
+    # --- profile -> plan -> apply ---------------------------------------------------------------
+
+    def setup(self, trainer) -> None:  # type: ignore[no-untyped-def]
+        """Plan (rank 0 decides, every rank applies the same plan), then let DeepSpeed set up."""
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._choose_plan(trainer)
+        super().setup(trainer)
+
+    def _format_batch_size_and_grad_accum_config(self) -> None:
+        """Micro-batch and accumulation come from the plan, not from the Trainer's flags."""
+        assert isinstance(self.config, dict)
+        if self.plan is None:  # validate/test/predict without fit: one sample per step is fine
+            self.config.setdefault("train_micro_batch_size_per_gpu", 1)
+            self.config.setdefault("gradient_accumulation_steps", 1)
+
+    def _choose_plan(self, trainer) -> None:  # type: ignore[no-untyped-def]
+        if trainer.accumulate_grad_batches != 1:
+            raise FleetError(
+                f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) with strategy 'fleet': the plan chooses "
+                "gradient accumulation to keep the global batch; pass FleetStrategy(global_batch_size=...) instead"
+            )
+        module = self.lightning_module
+        loader = _training_loader(trainer)
+        self._shuffle = _is_shuffled(loader)  # the user's loader: Lightning's re-instantiated one hides it
+        example = _example_batch(loader)
+        gbs = self.global_batch_size or int(loader.batch_size) * self.world_size
+        precision = _precision_of(trainer)
+        self.model_spec = profile_module(module, example, global_batch_size=gbs, precision=precision, name=type(module).__name__)
+        self.cluster = self._resolve_cluster()
+        plan_text = self._plan_on_rank_zero() if self.is_global_zero else None
+        plan_text = self.broadcast(plan_text)
+        if plan_text.startswith("error: "):
+            raise FleetError(plan_text.removeprefix("error: "))
+        self.plan = parse_plan(plan_text)
+        self.estimate = estimate(self.model_spec, self.cluster, self.plan)
+        tp = tensor_parallel_hook(module)
+        self.config = deepspeed_config(
+            self.plan,
+            gradient_clipping=float(trainer.gradient_clip_val or 0.0),
+            overlap_comm=self.root_device.type == "cuda",
+            tensor_parallel=tp[1] if tp else None,
+        )
+        if self.plan.recompute is Recompute.FULL:
+            _checkpoint_layers(find_layers(module))
+        # DeepSpeed zeroes gradients after every real optimizer step. Lightning's zero_grad runs after
+        # training_step, i.e. after this step's first gas-1 micro-batches: it must not wipe them.
+        module.optimizer_zero_grad = _engine_zeroes_gradients  # type: ignore[method-assign]
+
+    def _resolve_cluster(self) -> ClusterSpec:
+        shape = calibrate.WorldShape(world_size=self.world_size, num_nodes=self.num_nodes, local_world_size=self.num_processes)
+        if self.cluster_source is not None:
+            cluster = self.cluster_source if isinstance(self.cluster_source, ClusterSpec) else load_cluster(self.cluster_source)
+            if cluster.world_size != self.world_size:
+                raise FleetError(
+                    f"cluster {cluster.name!r} has {cluster.world_size} devices ({cluster.num_nodes} nodes x "
+                    f"{cluster.devices_per_node}) but this job runs {self.world_size} processes ({self.num_nodes} nodes x "
+                    f"{self.num_processes}): fix the cluster file or drop cluster= to measure this machine"
+                )
+            return cluster
+        path = calibrate.cache_path(self.root_device, shape)
+        cached = calibrate.load_cached(path) if self.is_global_zero else None
+        cached = self.broadcast(cached)
+        if cached is not None:
+            return cached
+        measured = calibrate.measure_cluster(self.root_device, shape)
+        measured = self.broadcast(measured)  # every rank plans with rank 0's numbers
+        if self.is_global_zero:
+            calibrate.save_cache(measured, path)
+        return measured
+
+    def _constraints(self):  # type: ignore[no-untyped-def]
+        module = self.lightning_module
+        return runtime_constraints(
+            has_tensor_parallel=tensor_parallel_hook(module) is not None,
+            has_pipeline=False,
+            has_layers=find_layers(module) is not None,
+            allow_offload=self.allow_offload,
+            require_offload=self.require_offload,
+            max_tp=self.max_tp,
+            max_pp=self.max_pp,
+            zero_stages=self.zero_stages,
+        )
+
+    def _plan_on_rank_zero(self) -> str:
+        """The plan string, or ``error: ...`` so that every rank raises the same one-line error."""
+        assert self.model_spec is not None and self.cluster is not None
+        try:
+            if self.forced_plan is not None:
+                forced = parse_plan(self.forced_plan, global_batch_size=self.model_spec.global_batch_size)
+                _check_runtime_supports(forced, self._constraints(), type(self.lightning_module).__name__)
+                chosen = estimate(self.model_spec, self.cluster, forced)
+                _print_table(chosen, None, self.cluster)
+                return str(forced)
+            result = search_plans(self.model_spec, self.cluster, top=self.top, constraints=self._constraints())
+            _print_table(result.best, result, self.cluster)
+            return str(result.best.plan)
+        except FleetError as err:
+            return f"error: {err}"
+
+    def _get_process_group_backend(self) -> str:
+        return self._process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
+
+    # --- the training data: global-batch order, micro-batches per step --------------------------
+
+    def process_dataloader(self, dataloader: object) -> object:
+        """Re-batch the training DataLoader into this rank's step batches of ``gas`` micro-batches of ``mbs``."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if self.plan is None or trainer is None or trainer.state.stage != RunningStage.TRAINING:
+            return dataloader
+        assert isinstance(dataloader, DataLoader)
+        plan = self.plan
+        sampler = GlobalBatchSampler(
+            len(dataloader.dataset),  # type: ignore[arg-type]
+            global_batch_size=plan.global_batch_size,
+            dp_size=plan.dp,
+            dp_rank=self.global_rank // plan.tp % plan.dp,
+            shuffle=self._shuffle,
+            seed=_sampler_seed(),
+        )
+        return DataLoader(
+            dataloader.dataset,
+            batch_sampler=sampler,
+            collate_fn=MicroBatchCollate(dataloader.collate_fn, plan.gas),
+            num_workers=dataloader.num_workers,
+            pin_memory=dataloader.pin_memory,
+            worker_init_fn=dataloader.worker_init_fn,
+            persistent_workers=dataloader.persistent_workers,
+            multiprocessing_context=dataloader.multiprocessing_context,
+        )
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the step's micro-batches: all but the last through DeepSpeed here, the last through Lightning's loop."""
+        batch, *rest = args
+        if not isinstance(batch, MicroBatches):
+            return super().training_step(*args, **kwargs)
+        self._log_step_times()
+        engine = self.deepspeed_engine
+        losses = []
+        for micro in batch[:-1]:
+            loss = _loss_of(super().training_step(micro, *rest, **kwargs))
+            engine.backward(loss)
+            engine.step()  # DeepSpeed counts the micro-step; it updates only at the accumulation boundary
+            losses.append(loss.detach())
+        output = super().training_step(batch[-1], *rest, **kwargs)
+        last = _loss_of(output)
+        mean = torch.stack([*losses, last.detach()]).mean()
+        # the progress bar shows the step's mean loss; the gradient is still the last micro-batch's
+        shown = last + (mean - last.detach())
+        return {**output, "loss": shown} if isinstance(output, Mapping) else shown
+
+    def _log_step_times(self) -> None:
+        now = time.perf_counter()
+        if self._step_started is not None:
+            self._step_times.append(now - self._step_started)
+        self._step_started = now
+        if len(self._step_times) >= 3 and self.estimate is not None:
+            module = self.lightning_module
+            measured = statistics.median(self._step_times[-20:])
+            module.log("fleet/predicted_step_s", self.estimate.time.step_s, rank_zero_only=True)
+            module.log("fleet/measured_step_s", measured, rank_zero_only=True)
+            if self.root_device.type == "cuda":
+                module.log("fleet/predicted_peak_gib", self.estimate.memory.total_bytes / GIB, rank_zero_only=True)
+                module.log("fleet/measured_peak_gib", torch.cuda.max_memory_allocated(self.root_device) / GIB, rank_zero_only=True)
+
+    def save_checkpoint(self, checkpoint: dict, filepath: Any, storage_options: Any = None) -> None:
+        """DeepSpeed's sharded checkpoint, with the plan and global batch recorded for resume."""
+        if self.plan is not None:
+            checkpoint["fleet"] = {"plan": str(self.plan), "global_batch_size": self.plan.global_batch_size, "world_size": self.world_size}
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """``fleet`` (plan everything), ``fleet_zero3`` (ZeRO-3 only), ``fleet_offload`` (offload required)."""
+        strategy_registry.register("fleet", cls, description="lightning_fleet: profile, plan and train the best layout")
+        strategy_registry.register("fleet_zero3", cls, description="lightning_fleet restricted to ZeRO stage 3", zero_stages=(3,))
+        strategy_registry.register(
+            "fleet_offload", cls, description="lightning_fleet with optimizer/parameter offload to host memory", require_offload=True
+        )
+
+
+# --- small helpers (module level: no strategy state) ------------------------------------------------
+
+
+def _training_loader(trainer) -> DataLoader:  # type: ignore[no-untyped-def]
+    source = trainer.fit_loop._data_source
+    if not source.is_defined():
+        raise FleetError("strategy 'fleet' needs a training DataLoader to size the global batch and profile the model")
+    loader = source.dataloader()
+    if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset) or loader.batch_size is None:
+        raise FleetError(
+            "strategy 'fleet' re-batches a map-style training DataLoader with a batch_size; "
+            "got an iterable dataset or a custom batch_sampler: use a map-style Dataset"
+        )
+    return loader
+
+
+def _example_batch(loader: DataLoader) -> Any:
+    """One batch of the loader's batch size, built from the first samples (no iteration: the RNG is untouched)."""
+    count = min(int(loader.batch_size), len(loader.dataset))  # type: ignore[arg-type]
+    return loader.collate_fn([loader.dataset[i] for i in range(count)])
+
+
+def _precision_of(trainer) -> Precision:  # type: ignore[no-untyped-def]
+    name = str(trainer.precision)
+    if name not in _PRECISIONS:
+        raise FleetError(f"strategy 'fleet' supports precision 32-true, bf16-mixed, bf16-true, 16-mixed; got {name!r}")
+    return _PRECISIONS[name]
+
+
+def _is_shuffled(loader: DataLoader) -> bool:
+    from lightning.pytorch.utilities.data import _is_dataloader_shuffled
+
+    return bool(_is_dataloader_shuffled(loader))
+
+
+def _sampler_seed() -> int:
+    """The global seed Lightning's seed_everything set (0 without one), identical on every rank."""
+    import os
+
+    return int(os.environ.get("PL_GLOBAL_SEED", 0))
+
+
+def _loss_of(output: Any) -> torch.Tensor:
+    if isinstance(output, Mapping):
+        return output["loss"]
+    if not isinstance(output, torch.Tensor):
+        raise FleetError("training_step must return the loss tensor or a dict with 'loss' under strategy 'fleet'")
+    return output
+
+
+def _check_runtime_supports(plan: Plan, constraints: Any, module_name: str) -> None:
+    """A forced plan must be something this runtime executes; say what is missing otherwise."""
+    if plan.tp > 1 and constraints.max_tp == 1:
+        raise FleetError(f"plan {plan} has tp={plan.tp}, but {module_name} defines no fleet_tensor_parallel() hook: add it or use tp=1")
+    if plan.pp > 1:
+        raise FleetError(f"plan {plan} has pp={plan.pp}: pipeline parallelism is not available in this release; use pp=1")
+    if plan.sp or plan.vpp > 1:
+        raise FleetError(f"plan {plan}: DeepSpeed runs neither sequence parallelism nor interleaved pipelines; use sp=false, vpp=1")
+    if plan.recompute is Recompute.SELECTIVE:
+        raise FleetError(f"plan {plan}: selective recomputation needs attention internals; use recompute=full or none")
+    if plan.recompute is Recompute.FULL and Recompute.FULL not in constraints.recompute:
+        raise FleetError(f"plan {plan}: recompute=full needs the layer stack: add fleet_layers() to {module_name}")
+    if plan.zero not in constraints.zero_stages:
+        raise FleetError(f"plan {plan}: zero={plan.zero} is outside zero_stages={constraints.zero_stages}")
+    if plan.offload is not Offload.NONE and not constraints.allow_offload:
+        raise FleetError(f"plan {plan} offloads, but allow_offload=False")
+
+
+def _engine_zeroes_gradients(*args: Any, **kwargs: Any) -> None:
+    """Stands in for LightningModule.optimizer_zero_grad under strategy 'fleet' (DeepSpeed zeroes after each step)."""
+
+
+def _checkpoint_layers(layers: Any) -> None:
+    """Full recomputation: each layer's forward runs under torch.utils.checkpoint (non-reentrant)."""
+    from torch.utils.checkpoint import checkpoint
+
+    for layer in layers:
+        if getattr(layer, "_fleet_checkpointed", False):
+            continue
+        forward = layer.forward
+        layer.forward = lambda *a, _f=forward, **k: checkpoint(_f, *a, use_reentrant=False, **k)
+        layer._fleet_checkpointed = True
+
+
+def _print_table(chosen: Estimate, result: PlanResult | None, cluster: ClusterSpec) -> None:
+    """Rank 0's start-up report: the plan, its predicted memory and time, and why the runners-up lost."""
+    lines = [
+        f"lightning_fleet plan for {chosen.model.name} ({chosen.model.params / 1e6:.2f} M params, global batch "
+        f"{chosen.plan.global_batch_size}) on {cluster.name} ({cluster.world_size} x {cluster.groups[0].device.name}):",
+        f"  chosen   {chosen.plan}",
+        f"           predicted {chosen.time.step_s:.4g} s/step, {chosen.memory.total_bytes / GIB:.2f} of "
+        f"{chosen.memory.limit_bytes / GIB:.2f} GiB per device ({chosen.time.largest_term()[0]} dominates)",
+    ]
+    if result is not None:
+        lines.append(f"  searched {result.candidates} candidates, {result.feasible} fit, in {result.seconds:.3f} s")
+        for runner in result.plans[1:]:
+            lines.append(f"  runner-up {runner.plan}: {runner.time.step_s:.4g} s/step ({runner.time.step_s / chosen.time.step_s:.2f}x)")
+        for rejection in [r for r in result.rejected if not r.reason.startswith("slower")][:2]:
+            lines.append(f"  misfit   {rejection.plan}: {rejection.reason}")
+    print("\n".join(lines), flush=True)

@@ -1,0 +1,30 @@
+"""The single-process reference every multi-process run is held against: plain PyTorch, whole global batch per step."""
+
+from __future__ import annotations
+
+import torch
+
+from examples.gpt.data import StdlibText
+from examples.gpt.model import GPT
+from lightning_fleet.elastic.sampler import GlobalBatchSampler
+from tests.workers.train_gpt import DATA, SIZES, eval_batch
+
+
+def reference_run(steps: int, global_batch_size: int, seed: int = 0) -> tuple[float, dict[str, torch.Tensor]]:
+    """Eval loss and weights after ``steps`` AdamW steps of the example GPT, one process, no Lightning, no DeepSpeed."""
+    torch.manual_seed(seed)
+    model = GPT(**SIZES)
+    dm = StdlibText(**DATA)
+    dm.setup("fit")
+    sampler = GlobalBatchSampler(len(dm.train_set), global_batch_size=global_batch_size, dp_size=1, dp_rank=0, shuffle=True, seed=seed)
+    optimizer = model.configure_optimizers()
+    for step, indices in enumerate(sampler):
+        if step == steps:
+            break
+        xs, ys = zip(*(dm.train_set[i] for i in indices))
+        loss = model.loss((torch.stack(xs), torch.stack(ys)))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    with torch.no_grad():
+        return float(model.loss(eval_batch(dm))), {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -1,0 +1,96 @@
+"""Worker for the multi-process tests: train the example GPT with strategy 'fleet' and report.
+
+Runs one Trainer.fit per plan (same processes, same process group), and after each writes, on rank
+0, the eval loss of the trained weights on a fixed batch and the full weights to --out.
+
+    python tests/workers/train_gpt.py --plans "dp=2,zero=0;dp=2,zero=3" --out /tmp/r.pt
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+from lightning.pytorch import Trainer, seed_everything  # noqa: E402
+
+import lightning_fleet  # noqa: E402
+from examples.gpt.data import StdlibText  # noqa: E402
+from examples.gpt.model import GPT  # noqa: E402
+
+SIZES = dict(num_layers=2, hidden_size=32, num_heads=4, seq_length=32)
+DATA = dict(seq_length=32, batch_size=4, limit_bytes=60_000)
+
+
+def eval_batch(dm: StdlibText) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fixed batch: the first 16 training windows."""
+    dm.setup("fit")
+    xs, ys = zip(*(dm.train_set[i] for i in range(16)))
+    return torch.stack(xs), torch.stack(ys)
+
+
+def full_state(trainer: Trainer, model: GPT) -> dict[str, torch.Tensor]:
+    """The whole model's weights on every rank (ZeRO-3 partitions gathered)."""
+    import deepspeed
+
+    params = list(model.parameters())
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=None, enabled=any(hasattr(p, "ds_id") for p in params)):
+        return {k: v.detach().clone().float() for k, v in model.state_dict().items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--plans", default="auto", help="';'-separated plan strings, or 'auto'")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--gbs", type=int, default=8)
+    parser.add_argument("--cluster", default=None)
+    parser.add_argument("--precision", default="32-true")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    results = []
+    for plan in args.plans.split(";"):
+        seed_everything(0)
+        model = GPT(**SIZES)
+        dm = StdlibText(**DATA)
+        strategy = lightning_fleet.FleetStrategy(plan=None if plan == "auto" else plan, global_batch_size=args.gbs, cluster=args.cluster)
+        trainer = Trainer(
+            accelerator="cpu",
+            devices=args.devices,
+            strategy=strategy,
+            precision=args.precision,
+            max_steps=args.steps,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=0,
+            num_sanity_val_steps=0,
+        )
+        trainer.fit(model, dm)
+        x, y = eval_batch(dm)
+        with torch.no_grad():
+            loss = float(model.loss((x, y)))
+        tensor_parallel = trainer.strategy.plan.tp > 1
+        state = {} if tensor_parallel else full_state(trainer, model)
+        results.append(
+            {
+                "plan": str(trainer.strategy.plan),
+                "eval_loss": loss,
+                "global_step": trainer.global_step,
+                "state": state,
+                "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+                "world_size": trainer.world_size,
+            }
+        )
+    if int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))) == 0 and trainer.global_rank == 0:
+        torch.save(results, args.out)
+
+
+if __name__ == "__main__":
+    main()
