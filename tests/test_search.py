@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from conftest import make_cluster, make_model
+from tests.conftest import make_cluster, make_model
 from lightning_fleet.planning import (
     Axis,
     Constraints,
