@@ -137,6 +137,19 @@ def _link(device: torch.device, world_size: int) -> LinkSpec:
     return LinkSpec(bandwidth_GBps=round(1 / beta / 1e9, 4), latency_us=round(alpha * 1e6, 2))
 
 
+def op_overhead_s(device: torch.device) -> float:
+    """Host time to dispatch one tiny operator (its compute is negligible)."""
+    t = torch.zeros(1, device=device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def run() -> None:
+        for _ in range(500):
+            t.add_(1)
+        sync()
+
+    return _timed(run, 5) / 500
+
+
 def _host_copy_GBps(device: torch.device) -> float:
     src = torch.empty(64 * 1024 * 1024, dtype=torch.uint8)
     dst = torch.empty_like(src, device=device)
@@ -164,6 +177,7 @@ def measure_cluster(device: torch.device, shape: WorldShape) -> ClusterSpec:
             matmul_efficiency=1.0,  # the measured peak already is the achieved large-matmul rate
             matmul_half_dim=round(half_dim, 2),
             overlap=0.8 if device.type == "cuda" else 0.0,
+            op_overhead_s=float(f"{_min_across_ranks(op_overhead_s(device), device):.3g}"),
             memory_reserve_fraction=0.05 if device.type == "cuda" else 0.0,
             memory_reserve_gib=round(1.0 if device.type == "cuda" else rss_gib, 3),
         ),

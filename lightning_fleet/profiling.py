@@ -14,6 +14,7 @@ head count and the AutoTP patterns, from which each layer's tensor-parallel all-
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_fleet.planning import BlockSpec, FleetError, ModelSpec, Precision, Role
@@ -119,6 +121,18 @@ class _Recorder:
 
     def finish(self) -> None:
         self._switch(self.current)
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts the operators a forward pass dispatches (each costs host time, whatever its size)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
 
 
 def _meta_like(batch: Any) -> Any:
@@ -246,6 +260,7 @@ def profile_module(
     meta.update({n: torch.empty_like(b, device="meta") for n, b in module.named_buffers()})
     with ExitStack() as stack:
         counter = stack.enter_context(FlopCounterMode(display=False))
+        ops = stack.enter_context(_OpCounter())
         storages = {t.untyped_storage()._cdata for t in meta.values()}
         recorder = _Recorder(layers, names, counter, storages, precision.element_bytes / 4)
         handles = [m.register_forward_pre_hook(recorder.module_pre) for m in module.modules()]
@@ -260,7 +275,8 @@ def profile_module(
         finally:
             for handle in handles:
                 handle.remove()
-    return _to_model_spec(module, layers, recorder, tp, samples, global_batch_size, precision, name)
+    spec = _to_model_spec(module, layers, recorder, tp, samples, global_batch_size, precision, name)
+    return dataclasses.replace(spec, forward_ops=ops.ops)
 
 
 def _to_model_spec(module, layers, recorder, tp, samples, global_batch_size, precision, name) -> ModelSpec:

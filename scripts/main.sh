@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# The main job of the README: set up the environment, then plan GPT-3 175B on 128 DGX A100 nodes
-# (1024 GPUs) and explain the choice. Extra arguments go to `fleet plan`.
+# The main job of the README: set up the environment, then train the example GPT on the Python
+# standard library's source under torchrun (2 CPU processes, gloo), with strategy "fleet" choosing
+# and printing the plan. Extra arguments go to the LightningCLI (e.g. --trainer.max_steps 200).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup-env.sh
-mkdir -p out
-exec .venv/bin/fleet plan --model gpt3-175b --cluster dgx-a100-80gb-x128 --top 5 --plot out/plan-gpt3-175b.png "$@"
+port=$(.venv/bin/python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+export OMP_NUM_THREADS=1
+exec timeout 1800 .venv/bin/torchrun --nproc-per-node=2 --master-addr=127.0.0.1 --master-port="$port" \
+  examples/gpt/train.py fit --config examples/gpt/config.yaml "$@"

@@ -18,13 +18,15 @@ def reference_run(steps: int, global_batch_size: int, seed: int = 0) -> tuple[fl
     dm.setup("fit")
     sampler = GlobalBatchSampler(len(dm.train_set), global_batch_size=global_batch_size, dp_size=1, dp_rank=0, shuffle=True, seed=seed)
     optimizer = model.configure_optimizers()
-    for step, indices in enumerate(sampler):
-        if step == steps:
-            break
+    step = 0
+    while step < steps:  # one epoch after another, as the sampler's global step advances
+        sampler.first_step = lambda: step
+        indices = next(iter(sampler))
         xs, ys = zip(*(dm.train_set[i] for i in indices))
         loss = model.loss((torch.stack(xs), torch.stack(ys)))
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
+        step += 1
     with torch.no_grad():
         return float(model.loss(eval_batch(dm))), {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -20,9 +20,25 @@ class MicroBatches(list):
 
 
 class GlobalBatchSampler(Sampler[list[int]]):
-    """Yields, per optimizer step, this rank's ``global_batch_size / dp_size`` dataset indices."""
+    """Yields, per optimizer step, this rank's ``global_batch_size / dp_size`` dataset indices.
 
-    def __init__(self, num_samples: int, *, global_batch_size: int, dp_size: int, dp_rank: int, shuffle: bool = True, seed: int = 0) -> None:
+    The position is keyed by the global optimizer step (``first_step()`` when iteration starts):
+    step ``g`` is step ``g % S`` of epoch ``g // S`` (``S`` steps per epoch). A resumed or resized
+    job therefore continues exactly where the committed history stopped, whatever Lightning's own
+    epoch counter says (it counts an epoch cut short by ``max_steps`` as finished).
+    """
+
+    def __init__(
+        self,
+        num_samples: int,
+        *,
+        global_batch_size: int,
+        dp_size: int,
+        dp_rank: int,
+        shuffle: bool = True,
+        seed: int = 0,
+        first_step: Callable[[], int] = lambda: 0,
+    ) -> None:
         if global_batch_size % dp_size:
             raise ValueError(f"global batch size {global_batch_size} is not divisible by dp {dp_size}")
         if num_samples < global_batch_size:
@@ -31,8 +47,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
         self.global_batch_size = global_batch_size
         self.dp_size, self.dp_rank = dp_size, dp_rank
         self.shuffle, self.seed = shuffle, seed
-        self.epoch = 0
-        self.start_step = 0
+        self.first_step = first_step
 
     @property
     def steps_per_epoch(self) -> int:
@@ -40,24 +55,25 @@ class GlobalBatchSampler(Sampler[list[int]]):
         return self.num_samples // self.global_batch_size
 
     def set_epoch(self, epoch: int) -> None:
-        """Select the epoch's order (called by Lightning at every epoch start)."""
-        self.epoch = epoch
+        """Lightning calls this every epoch; the order follows the global step instead (see the class doc)."""
 
-    def order(self) -> torch.Tensor:
-        """This epoch's global order of dataset indices."""
+    def order(self, epoch: int) -> torch.Tensor:
+        """The global order of dataset indices in ``epoch``."""
         if not self.shuffle:
             return torch.arange(self.num_samples)
-        return torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        return torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(self.seed + epoch))
 
     def __iter__(self) -> Iterator[list[int]]:
-        order = self.order()
+        epoch, first = divmod(self.first_step(), self.steps_per_epoch)
+        order = self.order(epoch)
         per_rank = self.global_batch_size // self.dp_size
-        for step in range(self.start_step, self.steps_per_epoch):
-            first = step * self.global_batch_size + self.dp_rank * per_rank
-            yield order[first : first + per_rank].tolist()
+        for step in range(first, self.steps_per_epoch):
+            start = step * self.global_batch_size + self.dp_rank * per_rank
+            yield order[start : start + per_rank].tolist()
 
     def __len__(self) -> int:
-        return self.steps_per_epoch - self.start_step
+        """Steps of a whole epoch, also when resuming mid-epoch: Lightning's batch counter continues from the resumed step."""
+        return self.steps_per_epoch
 
 
 class MicroBatchCollate:

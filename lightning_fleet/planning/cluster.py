@@ -136,7 +136,9 @@ class Calibration:
     step_overhead_s: float = 0.0
     """Fixed framework time per optimizer step (optimizer launch, logging), in seconds."""
     microbatch_overhead_s: float = 0.0
-    """Fixed framework time per micro-batch (kernel launches, Python), in seconds."""
+    """Fixed framework time per micro-batch (engine bookkeeping), in seconds."""
+    op_overhead_s: float = 0.0
+    """Host time to dispatch one operator (Python + dispatcher + launch), in seconds; paid per operator of a micro-batch."""
     cpu_adam_params_per_s: float = 2.0e9
     """Parameters per second one host updates with DeepSpeed's CPU Adam (offload), shared by its devices."""
     memory_reserve_fraction: float = 0.05
@@ -156,6 +158,7 @@ class Calibration:
             overlap=self.overlap,
             step_overhead_s=self.step_overhead_s,
             microbatch_overhead_s=self.microbatch_overhead_s,
+            op_overhead_s=self.op_overhead_s,
             memory_reserve_fraction=self.memory_reserve_fraction,
             memory_reserve_gib=self.memory_reserve_gib,
         )

@@ -165,7 +165,8 @@ def time_estimate(model: ModelSpec, hw: Hardware, plan: Plan) -> tm.TimeEstimate
     stages = [_stage_time(model, hw, plan, load, rate, links) for load in loads]
     slowest = max(stages, key=lambda s: s.microbatch_s)
     calib = hw.calibration
-    microbatch_s = slowest.microbatch_s + calib.microbatch_overhead_s
+    overhead_s = tm.microbatch_overhead_s(model.forward_ops, calib)
+    microbatch_s = slowest.microbatch_s + overhead_s
     largest = max(loads, key=lambda load: load.params)
     return tm.TimeEstimate(
         compute_s=plan.gas * slowest.compute_s,
@@ -184,7 +185,7 @@ def time_estimate(model: ModelSpec, hw: Hardware, plan: Plan) -> tm.TimeEstimate
             cpu_adam_params_per_s=calib.cpu_adam_params_per_s,
             devices_per_node=hw.devices_per_node,
         ),
-        overhead_s=plan.gas * calib.microbatch_overhead_s + calib.step_overhead_s,
+        overhead_s=plan.gas * overhead_s + calib.step_overhead_s,
     )
 
 
@@ -196,7 +197,7 @@ def compute_bound_s(model: ModelSpec, hw: Hardware, plan: Plan) -> float:
     """
     rate = achieved_rate(model, hw, plan)
     fwd = max(tm.forward_s(load, mbs=plan.mbs, tp=plan.tp, flops_per_s=rate) for load in stage_loads(model, plan.pp))
-    microbatch_s = fwd + tm.backward_s(fwd) + hw.calibration.microbatch_overhead_s
+    microbatch_s = fwd + tm.backward_s(fwd) + tm.microbatch_overhead_s(model.forward_ops, hw.calibration)
     return plan.gas * microbatch_s + tm.bubble_s(microbatch_s, pp=plan.pp, vpp=plan.vpp) + hw.calibration.step_overhead_s
 
 

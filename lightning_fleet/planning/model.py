@@ -127,8 +127,11 @@ class ModelSpec:
     """Samples per optimizer step, over all data-parallel replicas."""
     tied_params: int = 0
     """Parameters shared by the first pre block and the last post block (tied embeddings): stored once when both sit on one stage."""
+    forward_ops: int = 0
+    """Operators one forward pass of a micro-batch dispatches (measured by profiling; 0 when unknown)."""
 
     def __post_init__(self) -> None:
+        require_non_negative("model.", forward_ops=self.forward_ops)
         require_positive(
             "model.",
             hidden_size=self.hidden_size,

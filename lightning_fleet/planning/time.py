@@ -71,6 +71,11 @@ def bubble_s(microbatch_s: float, *, pp: int, vpp: int) -> float:
     return (pp - 1) / vpp * microbatch_s
 
 
+def microbatch_overhead_s(forward_ops: int, calibration: Calibration) -> float:
+    """Framework time of one micro-batch: a fixed part plus every operator's dispatch, forward and backward (~2x the forward's operators)."""
+    return calibration.microbatch_overhead_s + 3 * forward_ops * calibration.op_overhead_s
+
+
 def exposed_s(comm_s: float, window_s: float, overlap: float) -> float:
     """Communication left on the critical path when a fraction ``overlap`` of it can hide behind ``window_s`` of compute."""
     return comm_s - overlap * min(comm_s, window_s)

@@ -51,10 +51,12 @@ def main() -> None:
     parser.add_argument("--gbs", type=int, default=8)
     parser.add_argument("--cluster", default=None)
     parser.add_argument("--precision", default="32-true")
+    parser.add_argument("--save-to", default=None, help="after each fit, trainer.save_checkpoint to DIR/<plan index>")
+    parser.add_argument("--resume-from", default=None, help="fit(ckpt_path=DIR/<plan index>)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     results = []
-    for plan in args.plans.split(";"):
+    for index, plan in enumerate(args.plans.split(";")):
         seed_everything(0)
         model = GPT(**SIZES)
         dm = StdlibText(**DATA)
@@ -72,7 +74,9 @@ def main() -> None:
             limit_val_batches=0,
             num_sanity_val_steps=0,
         )
-        trainer.fit(model, dm)
+        trainer.fit(model, dm, ckpt_path=f"{args.resume_from}/{index}" if args.resume_from else None)
+        if args.save_to:
+            trainer.save_checkpoint(f"{args.save_to}/{index}")
         x, y = eval_batch(dm)
         with torch.no_grad():
             loss = float(model.loss((x, y)))
@@ -86,6 +90,7 @@ def main() -> None:
                 "state": state,
                 "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
                 "world_size": trainer.world_size,
+                "local_params": sum(p.numel() for p in model.parameters()),
             }
         )
     if int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))) == 0 and trainer.global_rank == 0:

@@ -1,0 +1,59 @@
+"""Launching real multi-process jobs from tests: free loopback ports, bounded time, only our own processes killed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "workers" / "train_gpt.py"
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker_env(tmp: Path) -> dict[str, str]:
+    """Environment of a worker: one thread, loopback, a private calibration cache."""
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(ROOT),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "FLEET_CACHE_DIR": str(tmp / "cache"),
+    }
+
+
+def run(cmd: list[str], env: dict[str, str], timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run ``cmd`` in its own process group; on timeout kill that group (and nothing else) and fail."""
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"{' '.join(cmd)} did not finish in {timeout} s:\n{out[-4000:]}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+
+
+def run_worker(tmp: Path, *args: str, torchrun: bool = False, timeout: float = 600) -> tuple[list[dict], str]:
+    """Run the training worker (Lightning's launcher, or torchrun) and load its results."""
+    out = tmp / f"result-{free_port()}.pt"
+    env = worker_env(tmp)
+    if torchrun:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1", f"--master-port={env['MASTER_PORT']}", str(WORKER)]
+    else:
+        cmd = [sys.executable, str(WORKER)]
+    done = run([*cmd, *args, "--out", str(out)], env, timeout)
+    assert done.returncode == 0, done.stdout[-6000:]
+    import torch
+
+    return torch.load(out, weights_only=False), done.stdout  # our own file, written by our worker
