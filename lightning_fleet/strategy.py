@@ -190,11 +190,10 @@ class FleetStrategy(DeepSpeedStrategy):
         precision = _precision_of(trainer)
         self.model_spec = profile_module(module, example, global_batch_size=gbs, precision=precision, name=type(module).__name__)
         self.cluster = self._resolve_cluster()
-        plan_text = self._plan_on_rank_zero() if self.is_global_zero else None
-        plan_text = self.broadcast(plan_text)
-        if plan_text.startswith("error: "):
-            raise FleetError(plan_text.removeprefix("error: "))
-        self.plan = parse_plan(plan_text)
+        decided = self.broadcast(self._plan_on_rank_zero() if self.is_global_zero else None)
+        if isinstance(decided, FleetError):  # every rank raises rank 0's error, none waits in a collective
+            raise decided
+        self.plan = parse_plan(decided)
         self.estimate = estimate(self.model_spec, self.cluster, self.plan)
         tp = tensor_parallel_hook(module)
         self.config = deepspeed_config(
@@ -244,8 +243,8 @@ class FleetStrategy(DeepSpeedStrategy):
             zero_stages=self.zero_stages,
         )
 
-    def _plan_on_rank_zero(self) -> str:
-        """The plan string, or ``error: ...`` so that every rank raises the same one-line error."""
+    def _plan_on_rank_zero(self) -> str | FleetError:
+        """The plan string, or the FleetError that every rank then raises."""
         assert self.model_spec is not None and self.cluster is not None
         try:
             if self.forced_plan is not None:
@@ -258,7 +257,7 @@ class FleetStrategy(DeepSpeedStrategy):
             _print_table(result.best, result, self.cluster)
             return str(result.best.plan)
         except FleetError as err:
-            return f"error: {err}"
+            return err
 
     def _get_process_group_backend(self) -> str:
         return self._process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")

@@ -1,0 +1,136 @@
+"""Strategy registration and bad input: each mistake is one clear FleetError line before any collective can hang."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from torch import nn
+
+import lightning_fleet
+from examples.gpt.data import StdlibText
+from examples.gpt.model import GPT
+from lightning_fleet.planning import FleetError, NoFeasiblePlanError, PlanError, SpecError
+
+
+class NoHooks(LightningModule):
+    """A module without fleet hooks and without a layer stack: tp and pp stay 1, no recomputation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(256, 16)
+        self.out = nn.Linear(16, 256)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self.out(self.emb(x)).flatten(0, 1), y.flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def fit(strategy, module=None, **trainer_kwargs) -> Trainer:
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        **trainer_kwargs,
+    )
+    trainer.fit(module or GPT(num_layers=2, hidden_size=32, num_heads=4, seq_length=32), StdlibText(seq_length=32, batch_size=4, limit_bytes=20_000))
+    return trainer
+
+
+def one_line(err: pytest.ExceptionInfo) -> str:
+    message = str(err.value)
+    assert "\n" not in message, message
+    return message
+
+
+@pytest.mark.parametrize(
+    "name,check",
+    [
+        ("fleet", lambda s: s.zero_stages == (0, 1, 2, 3) and not s.require_offload),
+        ("fleet_zero3", lambda s: s.zero_stages == (3,)),
+        ("fleet_offload", lambda s: s.require_offload),
+    ],
+)
+def test_strategy_names_are_registered(name, check):
+    """`import lightning_fleet` makes Trainer(strategy="fleet") and its presets resolve to FleetStrategy."""
+    trainer = Trainer(accelerator="cpu", devices=1, strategy=name, logger=False)
+    assert isinstance(trainer.strategy, lightning_fleet.FleetStrategy)
+    assert check(trainer.strategy)
+
+
+def test_import_is_light_and_registers_once_lightning_loads():
+    """Importing lightning_fleet loads no torch or Lightning; the names appear once Lightning is imported."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, lightning_fleet; assert 'torch' not in sys.modules and 'lightning' not in sys.modules, 'heavy import'; "
+        "from lightning.pytorch.strategies import StrategyRegistry; "
+        "assert {'fleet', 'fleet_zero3', 'fleet_offload'} <= set(StrategyRegistry.available_strategies())"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_trained_plan_is_exposed_on_the_strategy():
+    """trainer.strategy.plan is the Plan object that was trained; str() gives the plan string."""
+    trainer = fit(lightning_fleet.FleetStrategy(plan="dp=1,zero=1,mbs=2", cluster="cpu" if False else None, global_batch_size=4))
+    assert str(trainer.strategy.plan) == "dp=1,tp=1,pp=1,zero=1,mbs=2,gas=2,recompute=none,sp=false,vpp=1,offload=none"
+    assert trainer.strategy.estimate.fits and trainer.global_step == 1
+
+
+@pytest.mark.parametrize(
+    "kwargs,module,error,message",
+    [
+        (dict(plan="dp=2"), None, PlanError, "dp(2) * tp(1) * pp(1) = 2 != world size 1"),
+        (dict(plan="dp=1,tp=3"), None, PlanError, "tp(3) does not divide num_heads(4)"),
+        (dict(plan="dp=1,tp=2"), NoHooks(), FleetError, "defines no fleet_tensor_parallel() hook: add it or use tp=1"),
+        (dict(plan="dp=1,pp=2"), None, FleetError, "pipeline parallelism"),
+        (dict(plan="dp=1,recompute=full"), NoHooks(), FleetError, "recompute=full needs the layer stack: add fleet_layers()"),
+        (dict(plan="dp=1,zero=3", zero_stages=(0, 1)), None, FleetError, "zero=3 is outside zero_stages=(0, 1)"),
+        (dict(cluster="dgx-a100-80gb"), None, FleetError, "has 8 devices (1 nodes x 8) but this job runs 1 processes"),
+        (dict(cluster="dgx-z100"), None, SpecError, "no cluster file or preset named 'dgx-z100'; presets:"),
+    ],
+)
+def test_bad_input_is_one_clear_error(kwargs, module, error, message):
+    """Each bad input raises one line naming what is wrong and what to do."""
+    with pytest.raises(error) as err:
+        fit(lightning_fleet.FleetStrategy(**kwargs), module)
+    assert message in one_line(err)
+
+
+def test_model_that_fits_nowhere(tmp_path):
+    """A cluster too small for the model: the error names the need, the closest plan and the remedies."""
+    tiny = tmp_path / "tiny.yaml"
+    tiny.write_text(
+        "name: tiny\nnodes: 1\ndevices_per_node: 1\n"
+        "device: {name: t, memory_gib: 0.0001, peak_tflops: {bf16: 1, fp16: 1, fp32: 1}}\n"
+        "intra_node: {bandwidth_GBps: 1, latency_us: 1}\ninter_node: {bandwidth_GBps: 1, latency_us: 1}\n"
+        "calibration: {memory_reserve_gib: 0, memory_reserve_fraction: 0}\n"
+    )
+    with pytest.raises(NoFeasiblePlanError) as err:
+        fit(lightning_fleet.FleetStrategy(cluster=str(tiny)))
+    message = one_line(err)
+    assert "needs" in message and "with the best plan (dp=1" in message and "add devices" in message
+
+
+def test_trainer_gradient_accumulation_is_refused():
+    """The plan owns gradient accumulation; Trainer(accumulate_grad_batches=2) says what to use instead."""
+    with pytest.raises(FleetError) as err:
+        fit("fleet", accumulate_grad_batches=2)
+    assert "pass FleetStrategy(global_batch_size=...) instead" in one_line(err)
+
+
+def test_bad_global_batch_size():
+    """A non-positive global batch size is refused at construction."""
+    with pytest.raises(FleetError, match="global_batch_size=0"):
+        lightning_fleet.FleetStrategy(global_batch_size=0)
