@@ -40,6 +40,7 @@ from lightning_fleet.planning import plan as search_plans
 from lightning_fleet.planning.cluster import GIB
 from lightning_fleet.profiling import batch_size_of, find_layers, profile_module, tensor_parallel_hook
 from lightning_fleet.runtime.deepspeed_config import deepspeed_config, runtime_constraints
+from lightning_fleet.runtime.pipeline import build_pipeline, evaluate, local_optimizer, micro_batch_iterator, pipeline_hook
 
 _PRECISIONS = {
     "32-true": Precision.FP32,
@@ -118,6 +119,7 @@ class FleetStrategy(DeepSpeedStrategy):
         self.cluster: ClusterSpec | None = None
         """The cluster planned for (measured or given)."""
         self._shuffle = True
+        self._pipeline_evaluated = False
         self._step_started: float | None = None
         self._step_times: list[float] = []
 
@@ -144,6 +146,16 @@ class FleetStrategy(DeepSpeedStrategy):
 
         import deepspeed
 
+        if self.plan is not None and self.plan.pp > 1:
+            layers = find_layers(model)
+            model = build_pipeline(
+                model,
+                pp=self.plan.pp,
+                dp=self.plan.dp,
+                layer_type=type(layers[0]).__name__,
+                checkpoint_layers=self.plan.recompute is Recompute.FULL,
+            )
+            optimizer = local_optimizer(optimizer, model) if optimizer is not None else None
         engine, ds_optimizer, _, _ = deepspeed.initialize(
             args=argparse.Namespace(device_rank=self.local_rank if self.root_device.index is None else self.root_device.index),
             config=self.config,
@@ -202,7 +214,10 @@ class FleetStrategy(DeepSpeedStrategy):
             overlap_comm=self.root_device.type == "cuda",
             tensor_parallel=tp[1] if tp else None,
         )
-        if self.plan.recompute is Recompute.FULL:
+        if self.plan.pp > 1:
+            # the pipeline engine runs forward, backward and step itself (train_batch); Lightning must not
+            module.automatic_optimization = False
+        elif self.plan.recompute is Recompute.FULL:
             _checkpoint_layers(find_layers(module))
         # DeepSpeed zeroes gradients after every real optimizer step. Lightning's zero_grad runs after
         # training_step, i.e. after this step's first gas-1 micro-batches: it must not wipe them.
@@ -234,7 +249,7 @@ class FleetStrategy(DeepSpeedStrategy):
         module = self.lightning_module
         return runtime_constraints(
             has_tensor_parallel=tensor_parallel_hook(module) is not None,
-            has_pipeline=False,
+            has_pipeline=pipeline_hook(module) is not None and find_layers(module) is not None,
             has_layers=find_layers(module) is not None,
             allow_offload=self.allow_offload,
             require_offload=self.require_offload,
@@ -297,6 +312,8 @@ class FleetStrategy(DeepSpeedStrategy):
         if not isinstance(batch, MicroBatches):
             return super().training_step(*args, **kwargs)
         self._log_step_times()
+        if self.plan is not None and self.plan.pp > 1:
+            return self._pipeline_step(batch)
         engine = self.deepspeed_engine
         losses = []
         for micro in batch[:-1]:
@@ -310,6 +327,35 @@ class FleetStrategy(DeepSpeedStrategy):
         # the progress bar shows the step's mean loss; the gradient is still the last micro-batch's
         shown = last + (mean - last.detach())
         return {**output, "loss": shown} if isinstance(output, Mapping) else shown
+
+    def _pipeline_step(self, batch: MicroBatches) -> torch.Tensor:
+        """One optimizer step through DeepSpeed's pipeline schedule; Lightning only counts it and logs."""
+        if self._pipeline_evaluated:  # an evaluation resized the stage buffers
+            self.deepspeed_engine.reset_activation_shape()
+            self._pipeline_evaluated = False
+        loss = self.deepspeed_engine.train_batch(micro_batch_iterator(batch))
+        module = self.lightning_module
+        module.log("train_loss", loss, prog_bar=True)
+        module.optimizers().step()  # counted by Lightning; optimizer_step below leaves the work to the engine
+        for config in self.lr_scheduler_configs:
+            if config.interval == "step":
+                config.scheduler.step()
+        return loss
+
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        """Under a pipeline the engine already stepped inside train_batch."""
+        if self.plan is not None and self.plan.pp > 1:
+            return None
+        return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Under a pipeline a stage holds only its layers: evaluate through the engine and log ``val_loss``."""
+        if self.plan is None or self.plan.pp == 1:
+            return super().validation_step(*args, **kwargs)
+        loss = evaluate(self.deepspeed_engine, args[0])
+        self._pipeline_evaluated = True
+        self.lightning_module.log("val_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
 
     def _log_step_times(self) -> None:
         now = time.perf_counter()
@@ -395,8 +441,10 @@ def _check_runtime_supports(plan: Plan, constraints: Any, module_name: str) -> N
     """A forced plan must be something this runtime executes; say what is missing otherwise."""
     if plan.tp > 1 and constraints.max_tp == 1:
         raise FleetError(f"plan {plan} has tp={plan.tp}, but {module_name} defines no fleet_tensor_parallel() hook: add it or use tp=1")
-    if plan.pp > 1:
-        raise FleetError(f"plan {plan} has pp={plan.pp}: pipeline parallelism is not available in this release; use pp=1")
+    if plan.pp > 1 and constraints.max_pp == 1:
+        raise FleetError(f"plan {plan} has pp={plan.pp}, but {module_name} defines no fleet_pipeline() (and fleet_layers()) hook: add it or use pp=1")
+    if plan.pp > 1 and (plan.tp > 1 or plan.offload is not Offload.NONE or plan.zero > 1):
+        raise FleetError(f"plan {plan}: DeepSpeed's pipeline engine runs with zero <= 1, without tp and without offload")
     if plan.sp or plan.vpp > 1:
         raise FleetError(f"plan {plan}: DeepSpeed runs neither sequence parallelism nor interleaved pipelines; use sp=false, vpp=1")
     if plan.recompute is Recompute.SELECTIVE:

@@ -34,6 +34,19 @@ def test_strategy_by_registered_name(tmp_path):
     assert ",zero=3," in done.stdout
 
 
+def test_pipeline_plan_trains_and_validates_through_the_pipeline(tmp_path):
+    """A forced pp=2 plan from the CLI: training steps and validation both run through DeepSpeed's pipeline engine."""
+    args = [*TRAIN, *SMALL, "--trainer.log_every_n_steps=1", "--trainer.strategy.init_args.plan=dp=1,pp=2,mbs=4", f"--trainer.default_root_dir={tmp_path}", "--trainer.logger=CSVLogger", f"--trainer.logger.save_dir={tmp_path}"]
+    done = run(args, worker_env(tmp_path))
+    assert done.returncode == 0, done.stdout[-4000:]
+    assert "chosen   dp=1,tp=1,pp=2," in done.stdout
+    (metrics,) = tmp_path.rglob("metrics.csv")
+    header, *rows = metrics.read_text().splitlines()
+    assert "val_loss" in header and "train_loss" in header
+    column = header.split(",").index("val_loss")
+    assert any(row.split(",")[column] for row in rows)
+
+
 @pytest.mark.parametrize(
     "arg,message",
     [

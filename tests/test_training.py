@@ -1,7 +1,7 @@
 """Tier 3: real multi-process training on gloo with real DeepSpeed, held against a single-process reference.
 
 Every plan kind the runtime executes (ZeRO 0-3, optimizer and parameter offload, full
-recomputation, tensor parallel via AutoTP) trains the example GPT for 6 steps on 2 processes; the
+recomputation, tensor parallel via AutoTP, pipeline parallel via DeepSpeed's PipelineModule) trains the example GPT for 6 steps on 2 processes; the
 eval loss and the weights after those steps must match one plain PyTorch process that takes the
 whole global batch per step (tolerance 2e-5 absolute on weights, 1e-5 relative on loss: only the
 summation order differs). Each plan is also checkpointed after 3 steps and resumed to 6 in a new
@@ -27,6 +27,8 @@ PLANS = [
     "dp=2,zero=1,recompute=full",
     "dp=1,tp=2,zero=0",
     "dp=1,tp=2,zero=3,mbs=2",
+    "dp=1,pp=2,zero=0",
+    "dp=1,pp=2,zero=1,mbs=2,recompute=full",
 ]
 PLAN_ARG = ";".join(PLANS)
 
@@ -66,12 +68,13 @@ def test_plan_matches_single_process_reference(plan, straight, reference):
         torch.testing.assert_close(tensor, ref_state[name], atol=2e-5, rtol=0, msg=f"{plan}: {name}")
 
 
-def test_tensor_parallel_really_splits_the_weights(straight, reference):
-    """Under tp=2 each rank holds about half of the layer weights (AutoTP replaced the Linear layers)."""
+def test_model_parallel_plans_really_split_the_weights(straight, reference):
+    """Under tp=2 (AutoTP replaced the Linear layers) or pp=2 (each stage builds its layers) a rank holds about half the weights."""
     full = sum(t.numel() for t in reference[1].values())
     for plan in PLANS:
         local = straight[0][plan]["local_params"]
-        assert (local < 0.75 * full) if ",tp=2" in plan else (local == full or "zero=3" in plan), (plan, local, full)
+        split = ",tp=2" in plan or ",pp=2" in plan
+        assert (local < 0.75 * full) if split else (local == full or "zero=3" in plan), (plan, local, full)
 
 
 def test_forced_plans_are_printed_with_predictions(straight):

@@ -1,8 +1,9 @@
-"""A byte-level GPT as a LightningModule, with the two optional lightning_fleet hooks.
+"""A byte-level GPT as a LightningModule, with the three optional lightning_fleet hooks.
 
 ``fleet_layers()`` names the repeated layer stack (lets the planner price full recomputation and
 the strategy apply it); ``fleet_tensor_parallel()`` names the Linear weights DeepSpeed AutoTP may
-split (lets the planner consider tp > 1). Nothing else in the module knows about lightning_fleet.
+split (lets the planner consider tp > 1); ``fleet_pipeline()`` gives the model as a layer sequence
+plus a loss (lets the planner consider pp > 1). Nothing else in the module knows about lightning_fleet.
 """
 
 from __future__ import annotations
@@ -62,6 +63,33 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
+class Embed(nn.Module):
+    """Token plus position embedding: the first pipeline layer (shares the GPT's weights)."""
+
+    def __init__(self, tok: nn.Embedding, pos: nn.Embedding) -> None:
+        super().__init__()
+        self.tok, self.pos = tok, pos
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.tok(idx) + self.pos(torch.arange(idx.size(1), device=idx.device))
+
+
+class Head(nn.Module):
+    """Final LayerNorm and output projection: the last pipeline layer (shares the GPT's weights)."""
+
+    def __init__(self, ln_f: nn.LayerNorm, head: nn.Linear) -> None:
+        super().__init__()
+        self.ln_f, self.head = ln_f, head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.ln_f(x))
+
+
+def next_byte_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-byte cross entropy."""
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
 class GPT(LightningModule):
     """Byte-level GPT: embeddings, ``num_layers`` blocks, final LayerNorm and an output head."""
 
@@ -110,8 +138,7 @@ class GPT(LightningModule):
     def loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Mean next-byte cross entropy of a batch."""
         x, y = batch
-        logits = self(x)
-        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+        return next_byte_loss(self(x), y)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self.loss(batch)
@@ -129,6 +156,13 @@ class GPT(LightningModule):
     def fleet_layers(self) -> nn.ModuleList:
         """The repeated layers: the planner may recompute them, a pipeline may split them."""
         return self.blocks
+
+    def fleet_pipeline(self) -> dict[str, object]:
+        """The model as a sequence of layers plus a loss on (last output, labels): what a pipeline splits.
+
+        A batch is (inputs, labels); the layers share this module's weights.
+        """
+        return {"layers": [Embed(self.tok, self.pos), *self.blocks, Head(self.ln_f, self.head)], "loss_fn": next_byte_loss}
 
     def fleet_tensor_parallel(self) -> dict[str, object]:
         """AutoTP patterns: column-split q/k/v and MLP fc, row-split the output projections."""

@@ -63,6 +63,10 @@ class Constraints:
     """Micro-batch sizes to consider (None: every divisor of the per-replica batch)."""
     search_placement: bool = True
     """Price placements other than tp-dp-pp when the default crosses nodes."""
+    tp_with_pp: bool = True
+    """Allow tp > 1 and pp > 1 together."""
+    offload_with_pp: bool = True
+    """Allow offload when pp > 1."""
 
     def __post_init__(self) -> None:
         order = list(Recompute)  # none < selective < full: the search relies on this order
@@ -155,6 +159,8 @@ def _layouts(model: ModelSpec, world: int, cons: Constraints, rejected: list[tup
             if model.num_layers % pp or (cons.max_pp and pp > cons.max_pp):
                 continue
             dp = world // (tp * pp)
+            if tp > 1 and pp > 1 and not cons.tp_with_pp:
+                continue
             if model.global_batch_size % dp:
                 reason = f"dp({dp}) does not divide the global batch size {model.global_batch_size}"
                 rejected.append((float("inf"), Rejection(plan=f"dp={dp},tp={tp},pp={pp}", reason=reason)))
@@ -318,6 +324,8 @@ class _Search:
 
     def _micro_batches(self, layout: _Layout, vpp: int, sp: bool, zero: int, batch: int, mbs_values: list[int]) -> None:
         offloads = _offloads(zero, self.cons, self.has_host)
+        if layout.pp > 1 and not self.cons.offload_with_pp:
+            offloads = [o for o in offloads if o is Offload.NONE]
         if not offloads:
             return
         family = len(self.cons.recompute) * len(offloads)

@@ -78,9 +78,9 @@ def runtime_constraints(*, has_tensor_parallel: bool, has_pipeline: bool, has_la
 
     No sequence parallelism and no interleaved pipeline (DeepSpeed has neither for AutoTP / its
     pipeline engine), ZeRO <= 1 with pp > 1 ("ZeRO-2 and ZeRO-3 are incompatible with pipeline
-    parallelism"), the default placement only, full recomputation only where the layers are known,
-    tp and pp only where the module provides the hooks. ``narrower`` fields (e.g. zero_stages,
-    max_tp) narrow further.
+    parallelism"), neither AutoTP nor offload inside the pipeline engine, the default placement
+    only, full recomputation only where the layers are known, tp and pp only where the module
+    provides the hooks. ``narrower`` fields (e.g. zero_stages, max_tp) narrow further.
     """
     max_tp = narrower.pop("max_tp", None)
     max_pp = narrower.pop("max_pp", None)
@@ -89,6 +89,8 @@ def runtime_constraints(*, has_tensor_parallel: bool, has_pipeline: bool, has_la
         max_vpp=1,
         max_zero_with_pp=1,
         search_placement=False,
+        tp_with_pp=False,
+        offload_with_pp=False,
         allow_offload=allow_offload,
         recompute=("none", "full") if has_layers else ("none",),
         max_tp=(max_tp or None) if has_tensor_parallel else 1,

@@ -78,10 +78,15 @@ def main() -> None:
         if args.save_to:
             trainer.save_checkpoint(f"{args.save_to}/{index}")
         x, y = eval_batch(dm)
-        with torch.no_grad():
-            loss = float(model.loss((x, y)))
-        tensor_parallel = trainer.strategy.plan.tp > 1
-        state = {} if tensor_parallel else full_state(trainer, model)
+        if trainer.strategy.plan.pp > 1:  # each stage holds only its layers: evaluate through the pipeline
+            from lightning_fleet.runtime.pipeline import evaluate
+
+            loss = float(evaluate(trainer.strategy.deepspeed_engine, (x, y)))
+        else:
+            with torch.no_grad():
+                loss = float(model.loss((x, y)))
+        sharded = trainer.strategy.plan.tp > 1 or trainer.strategy.plan.pp > 1
+        state = {} if sharded else full_state(trainer, model)
         results.append(
             {
                 "plan": str(trainer.strategy.plan),
@@ -90,7 +95,7 @@ def main() -> None:
                 "state": state,
                 "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
                 "world_size": trainer.world_size,
-                "local_params": sum(p.numel() for p in model.parameters()),
+                "local_params": sum(p.numel() for p in trainer.strategy.deepspeed_engine.module.parameters()),
             }
         )
     if int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))) == 0 and trainer.global_rank == 0:
