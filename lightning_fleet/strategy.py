@@ -118,6 +118,8 @@ class FleetStrategy(DeepSpeedStrategy):
         """The profiled module."""
         self.cluster: ClusterSpec | None = None
         """The cluster planned for (measured or given)."""
+        self.startup_s: dict[str, float] = {}
+        """Seconds spent profiling, reading/measuring the cluster and planning (incl. broadcast) at setup."""
         self._shuffle = True
         self._pipeline_evaluated = False
         self._step_started: float | None = None
@@ -200,9 +202,13 @@ class FleetStrategy(DeepSpeedStrategy):
         example = _example_batch(loader)
         gbs = self.global_batch_size or int(loader.batch_size) * self.world_size
         precision = _precision_of(trainer)
+        started = time.perf_counter()
         self.model_spec = profile_module(module, example, global_batch_size=gbs, precision=precision, name=type(module).__name__)
+        profiled = time.perf_counter()
         self.cluster = self._resolve_cluster()
+        measured = time.perf_counter()
         decided = self.broadcast(self._plan_on_rank_zero() if self.is_global_zero else None)
+        self.startup_s = {"profile_s": profiled - started, "cluster_s": measured - profiled, "plan_s": time.perf_counter() - measured}
         if isinstance(decided, FleetError):  # every rank raises rank 0's error, none waits in a collective
             raise decided
         self.plan = parse_plan(decided)
