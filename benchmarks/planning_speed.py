@@ -8,7 +8,6 @@ recomputation, sp, vpp and micro-batch size; placements priced where they can wi
 
 from __future__ import annotations
 
-import dataclasses
 import platform
 import statistics
 import time
@@ -52,7 +51,7 @@ def main() -> None:
     for name in MODELS:
         cells = []
         for nodes in NODES:
-            cluster = dataclasses.replace(base, groups=(dataclasses.replace(base.groups[0], nodes=nodes),))
+            cluster = base.with_nodes(nodes)
             seconds, outcome = timed(model(name), cluster)
             cells.append(f"{seconds:.3f} s ({outcome})")
         rows.append(f"| {name} | " + " | ".join(cells) + " |")

@@ -10,7 +10,6 @@ TFLOP/s count recomputation (its eq. 3), so they are compared with our *hardware
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 from pathlib import Path
 
@@ -42,7 +41,7 @@ def main() -> None:
         model = transformer_model(
             TransformerSpec(name=name, num_layers=layers, hidden_size=hidden, num_heads=heads, seq_length=2048, vocab_size=51200, precision="fp16-mixed", global_batch_size=batch)
         )
-        cluster = dataclasses.replace(base, groups=(dataclasses.replace(base.groups[0], nodes=gpus // 8),))
+        cluster = base.with_nodes(gpus // 8)
         dp = gpus // (tp * pp)
         e = estimate(model, cluster, parse_plan(f"dp={dp},tp={tp},pp={pp},mbs=1,recompute=full", global_batch_size=batch))
         err = e.hardware_tflops_per_device / published - 1

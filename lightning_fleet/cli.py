@@ -76,9 +76,9 @@ def _load(args: argparse.Namespace) -> tuple[ModelSpec, ClusterSpec]:
             raise FleetError(f"--global-batch-size must be >= 1, got {args.global_batch_size}")
         model = dataclasses.replace(model, global_batch_size=args.global_batch_size)
     if args.nodes is not None:
-        if args.nodes < 1 or len(cluster.groups) != 1:
-            raise FleetError("--nodes needs a positive count and a homogeneous cluster file")
-        cluster = dataclasses.replace(cluster, groups=(dataclasses.replace(cluster.groups[0], nodes=args.nodes),))
+        if args.nodes < 1:
+            raise FleetError(f"--nodes must be >= 1, got {args.nodes}")
+        cluster = cluster.with_nodes(args.nodes)
     return model, cluster
 
 

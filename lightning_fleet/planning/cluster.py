@@ -263,6 +263,12 @@ class ClusterSpec:
         """YAML text that :func:`load_cluster` reads back to an equal spec."""
         return dump_yaml(self.to_dict())
 
+    def with_nodes(self, nodes: int) -> "ClusterSpec":
+        """The same homogeneous cluster with another node count."""
+        if len(self.groups) != 1:
+            raise SpecError(f"cluster {self.name!r} has {len(self.groups)} device groups; only a homogeneous cluster can be resized by node count")
+        return dataclasses.replace(self, groups=(dataclasses.replace(self.groups[0], nodes=nodes),))
+
     def with_calibration(self, calibration: Calibration) -> "ClusterSpec":
         """A copy with other cost-model constants."""
         return dataclasses.replace(self, calibration=calibration)
