@@ -30,11 +30,15 @@ _registration.install()
 
 
 def __getattr__(name: str):
-    """FleetStrategy is imported lazily (it needs torch, Lightning and DeepSpeed)."""
+    """FleetStrategy and FleetCheckpoint are imported lazily (they need torch, Lightning and DeepSpeed)."""
     if name == "FleetStrategy":
         from lightning_fleet.strategy import FleetStrategy
 
         return FleetStrategy
+    if name == "FleetCheckpoint":
+        from lightning_fleet.elastic.callback import FleetCheckpoint
+
+        return FleetCheckpoint
     raise AttributeError(f"module 'lightning_fleet' has no attribute {name!r}")
 
 
@@ -42,6 +46,7 @@ __all__ = [
     "ClusterSpec",
     "Constraints",
     "Estimate",
+    "FleetCheckpoint",
     "FleetError",
     "FleetStrategy",
     "ModelSpec",

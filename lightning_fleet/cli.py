@@ -1,4 +1,4 @@
-"""The ``fleet`` command: ``fleet plan`` and ``fleet estimate`` (also ``python -m lightning_fleet``).
+"""The ``fleet`` command: ``fleet plan``, ``fleet estimate`` and ``fleet launch`` (also ``python -m lightning_fleet``).
 
 Every failure the user can cause ends in one line on stderr, ``fleet: error: ...``, and exit code 2.
 """
@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     est = sub.add_parser("estimate", help="predict memory and step time of one plan")
     _add_specs(est)
     est.add_argument("--plan", required=True, help='plan string, e.g. "dp=4,tp=2,pp=1,zero=1,mbs=2"')
+
+    run = sub.add_parser("launch", help="torchrun with fast, safe elastic defaults (takes torchrun's arguments)", add_help=False)
+    run.add_argument("torchrun_args", nargs=argparse.REMAINDER)
 
     pln = sub.add_parser("plan", help="rank every plan and explain the choice")
     _add_specs(pln)
@@ -164,6 +167,11 @@ def _print_plan(result: PlanResult, model: ModelSpec, cluster: ClusterSpec) -> N
 
 
 def _run(argv: Sequence[str] | None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["launch"]:  # everything after it is torchrun's, unparsed
+        from lightning_fleet.elastic.launch import launch
+
+        return launch(argv[1:])
     args = build_parser().parse_args(argv)
     model, cluster = _load(args)
     if args.command == "estimate":

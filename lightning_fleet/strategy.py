@@ -7,6 +7,7 @@ On CPU it lifts Lightning's CUDA-only restriction so DeepSpeed's CPU accelerator
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from datetime import timedelta
@@ -21,6 +22,8 @@ from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_fleet import calibrate
+from lightning_fleet.elastic.callback import FleetCheckpoint, set_rng_state
+from lightning_fleet.elastic.checkpoint import MANIFEST, newest_verified, refuse_unsafe_pickles, verify
 from lightning_fleet.elastic.sampler import GlobalBatchSampler, MicroBatchCollate, MicroBatches
 from lightning_fleet.planning import (
     ClusterSpec,
@@ -69,6 +72,10 @@ class FleetStrategy(DeepSpeedStrategy):
         max_pp: largest pipeline degree.
         zero_stages: ZeRO stages the planner may choose from.
         top: how many plans the start-up table lists.
+        checkpoint_dir: add a :class:`~lightning_fleet.elastic.callback.FleetCheckpoint` saving here
+            (unless the Trainer already has one); jobs resume from its newest verified checkpoint.
+        checkpoint_every_n_steps: its step interval.
+        checkpoint_every_n_seconds: its time interval.
         timeout: collective timeout, so a dead peer fails the job instead of hanging it.
     """
 
@@ -85,6 +92,9 @@ class FleetStrategy(DeepSpeedStrategy):
         max_pp: int | None = None,
         zero_stages: tuple[int, ...] | list[int] = (0, 1, 2, 3),
         top: int = 3,
+        checkpoint_dir: str | Path | None = None,
+        checkpoint_every_n_steps: int | None = None,
+        checkpoint_every_n_seconds: float | None = None,
         timeout: timedelta = timedelta(minutes=10),
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
@@ -110,6 +120,10 @@ class FleetStrategy(DeepSpeedStrategy):
         self.max_tp, self.max_pp = max_tp, max_pp
         self.zero_stages = tuple(zero_stages)
         self.top = top
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
+        self.checkpoint_every = (checkpoint_every_n_steps, checkpoint_every_n_seconds)
+        self.resumed_from: Path | None = None
+        """The checkpoint this fit resumed from (None for a fresh start)."""
         self.plan: Plan | None = None
         """The plan being trained (set at setup)."""
         self.estimate: Estimate | None = None
@@ -181,7 +195,70 @@ class FleetStrategy(DeepSpeedStrategy):
         """Plan (rank 0 decides, every rank applies the same plan), then let DeepSpeed set up."""
         if trainer.state.fn == TrainerFn.FITTING:
             self._choose_plan(trainer)
+            self._attach_checkpointing(trainer)
         super().setup(trainer)
+
+    def _attach_checkpointing(self, trainer) -> None:  # type: ignore[no-untyped-def]
+        """Add FleetCheckpoint for checkpoint_dir, and make a fit without ckpt_path resume from the newest verified checkpoint."""
+        callbacks = [c for c in trainer.callbacks if isinstance(c, FleetCheckpoint)]
+        if self.checkpoint_dir is not None and not callbacks:
+            steps, seconds = self.checkpoint_every
+            callbacks = [FleetCheckpoint(self.checkpoint_dir, every_n_steps=steps, every_n_seconds=seconds)]
+            trainer.callbacks.append(callbacks[0])
+        if not callbacks:
+            return
+        directory = callbacks[0].dirpath
+        connector = trainer._checkpoint_connector
+        resume_start = connector.resume_start
+
+        def resume_from_newest(checkpoint_path=None, weights_only=None):  # type: ignore[no-untyped-def]
+            # Lightning calls this right after setup with the user's ckpt_path (None when not given)
+            if checkpoint_path is None:
+                checkpoint_path = self._newest_checkpoint(directory)
+            connector.resume_start = resume_start
+            return resume_start(checkpoint_path, weights_only)
+
+        connector.resume_start = resume_from_newest
+
+    def _newest_checkpoint(self, directory: Path) -> Path | None:
+        """Rank 0 picks the newest verified checkpoint (logging every one it skips); all ranks get its path."""
+        verdict = newest_verified(directory) if self.is_global_zero else None
+        return self.broadcast(verdict.path if verdict is not None else None)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load a FleetCheckpoint directory (verified, pickles screened, RNG restored) or a plain DeepSpeed one."""
+        path = Path(checkpoint_path)
+        if not (path / MANIFEST).is_file():
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        problem = self._check_checkpoint(path) if self.is_global_zero else None
+        problem = self.broadcast(problem)
+        if problem is not None:
+            raise problem
+        manifest = json.loads((path / MANIFEST).read_text())
+        if manifest["world_size"] != self.world_size or manifest["plan"] != str(self.plan):
+            raise FleetError(
+                f"checkpoint {path} was written by plan {manifest['plan']} on {manifest['world_size']} processes; this job runs "
+                f"{self.plan} on {self.world_size}: resuming across plans is not available yet, relaunch with the same world and plan"
+            )
+        state = super().load_checkpoint(path / "state", weights_only)
+        rank_file = path / f"rank-{self.global_rank:05d}.pt"
+        if rank_file.is_file():
+            set_rng_state(torch.load(rank_file, weights_only=True))
+        self.resumed_from = path
+        if self.is_global_zero:
+            print(f"lightning_fleet: resumed from {path} (step {manifest['step']})", flush=True)
+        return state
+
+    @staticmethod
+    def _check_checkpoint(path: Path) -> FleetError | None:
+        verdict = verify(path)
+        if not verdict.ok:
+            return FleetError(f"checkpoint {path} cannot be used: {verdict.reason}")
+        try:
+            refuse_unsafe_pickles(path)
+        except FleetError as err:
+            return err
+        return None
 
     def _format_batch_size_and_grad_accum_config(self) -> None:
         """Micro-batch and accumulation come from the plan, not from the Trainer's flags."""

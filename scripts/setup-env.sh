@@ -14,3 +14,12 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   pip_install -e ".[test,plot]"
   echo "$want" > "$stamp"
 fi
+# DeepSpeed JIT-compiles a shared-memory comm op at its first init on CPU. Build it once here, in
+# one process and inside the venv, so that jobs and tests never race for (or die holding) its
+# build lock: a build killed mid-way would leave a lock that makes every later job wait forever.
+export TORCH_EXTENSIONS_DIR="$PWD/.venv/torch_extensions"
+if [ ! -f "$TORCH_EXTENSIONS_DIR/.fleet-built" ]; then
+  rm -f "$TORCH_EXTENSIONS_DIR"/*/deepspeed_shm_comm/lock
+  timeout 900 .venv/bin/python -c "from deepspeed.accelerator import get_accelerator; get_accelerator().create_op_builder('ShareMemCommBuilder').load()" >/dev/null
+  touch "$TORCH_EXTENSIONS_DIR/.fleet-built"
+fi

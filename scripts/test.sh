@@ -3,5 +3,6 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup-env.sh
+export TORCH_EXTENSIONS_DIR="$PWD/.venv/torch_extensions"  # the comm op setup-env built
 export OMP_NUM_THREADS=1
 exec .venv/bin/python -m pytest "$@"

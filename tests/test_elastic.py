@@ -1,0 +1,271 @@
+"""Tier 4: fault tolerance under real torchrun on 127.0.0.1, with real kills by PID.
+
+Reference: the single-process run of the same global batch (tests/reference.py). "Nothing lost" =
+final weights equal to the reference within 2e-5 (same plan and world: only summation order
+differs from one process), the final step count as asked, and every step's samples in the
+committed history exactly those the global order assigns to that step (so no sample of the epoch
+is skipped or repeated).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from lightning_fleet.elastic.checkpoint import LATEST, MANIFEST, build_manifest, newest_verified, refuse_unsafe_pickles, verify
+from lightning_fleet.planning import FleetError
+from tests.multiprocess import ROOT, free_port, worker_env
+from tests.reference import reference_run
+
+WORKER = ROOT / "tests" / "workers" / "elastic_gpt.py"
+FLEET = [sys.executable, "-m", "lightning_fleet", "launch"]
+GBS = 8
+
+
+def launch(tmp: Path, *worker_args: str, restarts: int = 1, nproc: int = 2) -> psutil.Popen:
+    """Start `fleet launch` (torchrun) in its own process group; output goes to tmp/launch.log."""
+    log = open(tmp / "launch.log", "a")
+    cmd = [*FLEET, f"--nproc-per-node={nproc}", f"--max-restarts={restarts}", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+           "--rdzv-backend=c10d", str(WORKER), "--dir", str(tmp), *worker_args]
+    return psutil.Popen(cmd, env=worker_env(tmp), cwd=ROOT, stdout=log, stderr=log, start_new_session=True)
+
+
+def finish(proc: psutil.Popen, timeout: float = 300) -> int:
+    """Wait for the launcher; on timeout kill its whole process group (only ours) and fail."""
+    try:
+        return proc.wait(timeout)
+    except psutil.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError(f"launcher did not finish in {timeout} s") from None
+
+
+def steps_done(tmp: Path, rank: int = 0) -> int:
+    path = tmp / f"consumed-rank{rank}.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def wait_for_steps(tmp: Path, count: int, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while steps_done(tmp) < count:
+        assert time.monotonic() < deadline, f"no {count} steps within {timeout} s:\n{(tmp / 'launch.log').read_text()[-3000:]}"
+        time.sleep(0.2)
+
+
+def worker_pid(proc: psutil.Popen, local_rank: int) -> int:
+    """PID of the training process with this LOCAL_RANK among the launcher's children."""
+    for child in proc.children(recursive=True):
+        try:
+            if "elastic_gpt.py" in " ".join(child.cmdline()) and child.environ().get("LOCAL_RANK") == str(local_rank):
+                return child.pid
+        except psutil.NoSuchProcess:
+            continue
+    raise AssertionError(f"no worker with LOCAL_RANK={local_rank}")
+
+
+def committed_history(tmp: Path, world: int) -> dict[int, list[int]]:
+    """Step -> indices read by all ranks, taking each rank's last record of that step (the run that committed)."""
+    history: dict[int, list[int]] = {}
+    for rank in range(world):
+        last: dict[int, list[int]] = {}
+        for line in (tmp / f"consumed-rank{rank}.jsonl").read_text().splitlines():
+            record = json.loads(line)
+            last[record["step"]] = record["indices"]
+        for step, indices in last.items():
+            history.setdefault(step, []).extend(indices)
+    return history
+
+
+def assert_nothing_lost(tmp: Path, steps: int, world: int = 2) -> dict:
+    """Final weights equal the reference; every step read exactly the samples the global order gives it."""
+    result = torch.load(tmp / "final.pt", weights_only=False)  # our own file, written by our worker
+    ref_loss, ref_state = reference_run(steps, GBS)
+    assert result["global_step"] == steps
+    assert result["eval_loss"] == pytest.approx(ref_loss, rel=1e-5)
+    for name, tensor in result["state"].items():
+        torch.testing.assert_close(tensor, ref_state[name], atol=2e-5, rtol=0, msg=name)
+    from examples.gpt.data import StdlibText
+    from lightning_fleet.elastic.sampler import GlobalBatchSampler
+    from tests.workers.train_gpt import DATA
+
+    dm = StdlibText(**DATA)
+    dm.setup("fit")
+    sampler = GlobalBatchSampler(len(dm.train_set), global_batch_size=GBS, dp_size=1, dp_rank=0, seed=0)
+    history = committed_history(tmp, world)
+    assert sorted(history) == list(range(1, steps + 1))
+    seen: list[int] = []
+    for step in range(1, steps + 1):
+        sampler.first_step = lambda s=step - 1: s
+        expected = next(iter(sampler))
+        assert sorted(history[step]) == sorted(expected), f"step {step} read other samples"
+        seen += history[step]
+    assert len(seen) == len(set(seen)), "a sample was read twice within the epoch"
+    return result
+
+
+def test_kill_one_worker_restarts_and_loses_nothing(tmp_path):
+    """Scenario 1: SIGKILL one of two workers mid-run with --max-restarts=1: torchrun restarts, the job resumes, nothing lost."""
+    proc = launch(tmp_path, "--steps", "12", "--every", "2", "--sleep", "0.4", "--plan", "dp=2,zero=2")
+    wait_for_steps(tmp_path, 5)
+    os.kill(worker_pid(proc, 1), signal.SIGKILL)
+    assert finish(proc) == 0, (tmp_path / "launch.log").read_text()[-3000:]
+    result = assert_nothing_lost(tmp_path, 12)
+    assert "step-00000000" in result["resumed_from"]
+    assert "lightning_fleet: resumed from" in (tmp_path / "launch.log").read_text()
+
+
+def test_kill_without_restarts_fails_fast_and_names_the_rank(tmp_path):
+    """Scenario 2: with --max-restarts=0 a killed worker ends the job non-zero within seconds, naming it; no orphans."""
+    proc = launch(tmp_path, "--steps", "40", "--every", "5", "--sleep", "0.4", "--plan", "dp=2,zero=1", restarts=0)
+    wait_for_steps(tmp_path, 2)
+    victim = worker_pid(proc, 1)
+    members = [p.pid for p in proc.children(recursive=True)]
+    started = time.monotonic()
+    os.kill(victim, signal.SIGKILL)
+    code = finish(proc, timeout=120)
+    elapsed = time.monotonic() - started
+    log = (tmp_path / "launch.log").read_text()
+    assert code != 0
+    assert elapsed < 60, f"took {elapsed:.0f} s to fail"
+    assert "local_rank: 1" in log or "local_rank 1" in log, log[-3000:]
+    assert not [pid for pid in members if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+
+
+def test_kill_during_save_resumes_from_the_previous_checkpoint(tmp_path):
+    """Scenario 3: rank 0 dies after the shards of step 6 are written and before the manifest: step 4 is used, nothing lost."""
+    proc = launch(tmp_path, "--steps", "10", "--every", "2", "--die-in-save", "6", "--plan", "dp=2,zero=3")
+    assert finish(proc) == 0, (tmp_path / "launch.log").read_text()[-3000:]
+    log = (tmp_path / "launch.log").read_text()
+    assert "resumed from" in log and "step-000000004 (step 4)" in log
+    assert_nothing_lost(tmp_path, 10)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_sigterm_to_one_rank_stops_all_at_one_step_and_resumes(tmp_path, rank):
+    """Scenario 6: SIGTERM to one rank: every rank stops at the same step with one checkpoint, exit 0; the next launch resumes."""
+    proc = launch(tmp_path, "--steps", "10", "--every", "100", "--sleep", "0.4", "--plan", "dp=2,zero=2", restarts=0)
+    wait_for_steps(tmp_path, 3)
+    os.kill(worker_pid(proc, rank), signal.SIGTERM)
+    assert finish(proc) == 0, (tmp_path / "launch.log").read_text()[-3000:]
+    stopped = torch.load(tmp_path / "final.pt", weights_only=False)
+    assert stopped["preempted"] and stopped["global_step"] < 10
+    assert steps_done(tmp_path, 0) == steps_done(tmp_path, 1) == stopped["global_step"]
+    newest = newest_verified(tmp_path / "ckpt")
+    assert newest is not None and newest.manifest["step"] == stopped["global_step"]
+    again = launch(tmp_path, "--steps", "10", "--every", "100", "--plan", "dp=2,zero=2", restarts=0)
+    assert finish(again) == 0, (tmp_path / "launch.log").read_text()[-3000:]
+    assert_nothing_lost(tmp_path, 10)
+
+
+# --- damaged checkpoints (scenarios 4, 5, 10) on real checkpoints of one short job ------------------
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> Path:
+    """A finished 6-step job with committed checkpoints at steps 2, 4 and 6."""
+    tmp = tmp_path_factory.mktemp("ckpts")
+    proc = launch(tmp, "--steps", "6", "--every", "2", "--plan", "dp=2,zero=2", restarts=0)
+    assert finish(proc) == 0, (tmp / "launch.log").read_text()[-3000:]
+    return tmp
+
+
+def copy_of(checkpoints: Path, tmp: Path) -> Path:
+    shutil.copytree(checkpoints / "ckpt", tmp / "ckpt")
+    return tmp / "ckpt"
+
+
+def largest_shard(step_dir: Path) -> Path:
+    return max((p for p in step_dir.rglob("*.pt")), key=lambda p: p.stat().st_size)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "bitflip", "missing"])
+def test_damaged_newest_checkpoint_is_named_and_skipped(checkpoints, tmp_path, damage):
+    """Scenario 4: a truncated, bit-flipped or missing shard in the newest checkpoint: detected, named, previous one used."""
+    ckpt = copy_of(checkpoints, tmp_path)
+    shard = largest_shard(ckpt / "step-000000006")
+    if damage == "truncate":
+        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    elif damage == "bitflip":
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        shard.write_bytes(bytes(data))
+    else:
+        shard.unlink()
+    verdict = verify(ckpt / "step-000000006")
+    expected = {"truncate": "truncated", "bitflip": "does not match its sha256", "missing": "is missing"}[damage]
+    assert not verdict.ok and expected in verdict.reason and shard.name in verdict.reason
+    logged: list[str] = []
+    chosen = newest_verified(ckpt, log=logged.append)
+    assert chosen is not None and chosen.path.name == "step-000000004"
+    assert any("skipping checkpoint" in line and "step-000000006" in line for line in logged)
+
+
+def test_resume_after_bitflip_uses_the_previous_checkpoint(checkpoints, tmp_path):
+    """Scenario 4 end to end: the next launch resumes from step 4, not the corrupted step 6, and loses nothing."""
+    ckpt = copy_of(checkpoints, tmp_path)
+    shard = largest_shard(ckpt / "step-000000006")
+    data = bytearray(shard.read_bytes())
+    data[100] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    proc = launch(tmp_path, "--steps", "8", "--every", "100", "--plan", "dp=2,zero=2", restarts=0)
+    assert finish(proc) == 0, (tmp_path / "launch.log").read_text()[-3000:]
+    log = (tmp_path / "launch.log").read_text()
+    assert "skipping checkpoint" in log and "step-000000006" in log and "resumed from" in log and "(step 4)" in log
+
+
+@pytest.mark.parametrize("pointer", ["missing", "dangling"])
+def test_missing_or_dangling_latest_pointer(checkpoints, tmp_path, pointer):
+    """Scenario 5: no `latest`, or `latest` naming a directory that is gone: detected, newest verified checkpoint used."""
+    ckpt = copy_of(checkpoints, tmp_path)
+    if pointer == "missing":
+        (ckpt / LATEST).unlink()
+    else:
+        (ckpt / LATEST).write_text("step-000000999")
+    logged: list[str] = []
+    chosen = newest_verified(ckpt, log=logged.append)
+    assert chosen is not None and chosen.path.name == "step-000000006"
+    assert any(("missing" if pointer == "missing" else "does not exist") in line for line in logged)
+
+
+def test_torn_save_directory_is_never_resumed(checkpoints, tmp_path):
+    """A save killed before its manifest leaves only a .tmp- directory: never a candidate."""
+    ckpt = copy_of(checkpoints, tmp_path)
+    torn = ckpt / ".tmp-step-000000008"
+    shutil.copytree(ckpt / "step-000000006", torn)
+    (torn / MANIFEST).unlink()
+    assert newest_verified(ckpt, log=lambda line: None).path.name == "step-000000006"
+
+
+class Payload:
+    """Runs a shell command when unpickled."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_malicious_pickle_is_refused_and_never_runs(checkpoints, tmp_path):
+    """Scenario 10: a shard replaced by a pickle with __reduce__ (and a manifest rewritten to match): refused, payload not run."""
+    ckpt = copy_of(checkpoints, tmp_path)
+    step = ckpt / "step-000000006"
+    marker = tmp_path / "payload-ran"
+    shard = largest_shard(step)
+    torch.save({"state": Payload(marker)}, shard)
+    manifest = json.loads((step / MANIFEST).read_text())
+    (step / MANIFEST).write_text(json.dumps(build_manifest(step, {k: v for k, v in manifest.items() if k != "files"})))
+    assert verify(step).ok  # the attacker kept the manifest consistent
+    with pytest.raises(FleetError) as err:
+        refuse_unsafe_pickles(step)
+    assert "os.system" in str(err.value) or "posix.system" in str(err.value)
+    assert "refusing" in str(err.value)
+    assert not marker.exists()
