@@ -8,6 +8,7 @@ On CPU it lifts Lightning's CUDA-only restriction so DeepSpeed's CPU accelerator
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from datetime import timedelta
@@ -140,6 +141,22 @@ class FleetStrategy(DeepSpeedStrategy):
         self._step_times: list[float] = []
 
     # --- Lightning's CUDA-only seams, lifted on CPU ---------------------------------------------
+
+    def _configure_launcher(self) -> None:
+        """Under torchrun the launcher decides the world: devices and nodes come from it, not from the Trainer flags.
+
+        Lightning's TorchElasticEnvironment rejects devices * num_nodes != WORLD_SIZE, which breaks
+        ``--nnodes=MIN:MAX`` jobs whose size changes between restarts.
+        """
+        env = self.cluster_environment
+        if env is not None and env.creates_processes_externally and "LOCAL_WORLD_SIZE" in os.environ and "WORLD_SIZE" in os.environ:
+            local, world = int(os.environ["LOCAL_WORLD_SIZE"]), int(os.environ["WORLD_SIZE"])
+            if world % local:
+                raise FleetError(f"WORLD_SIZE={world} is not a multiple of LOCAL_WORLD_SIZE={local}: launch the same number of processes per node")
+            first = self.parallel_devices[0] if self.parallel_devices else torch.device("cpu")
+            self.parallel_devices = [torch.device("cuda", i) if first.type == "cuda" else first for i in range(local)]
+            self.num_nodes = world // local
+        super()._configure_launcher()
 
     def setup_environment(self) -> None:
         """DeepSpeedStrategy refuses non-CUDA accelerators; on CPU take the DDP path (gloo)."""
@@ -507,8 +524,6 @@ def _is_shuffled(loader: DataLoader) -> bool:
 
 def _sampler_seed() -> int:
     """The global seed Lightning's seed_everything set (0 without one), identical on every rank."""
-    import os
-
     return int(os.environ.get("PL_GLOBAL_SEED", 0))
 
 

@@ -6,7 +6,7 @@ running job deadlocks on the shared TCP store. ``fleet launch`` takes torchrun's
 adds, unless given:
 
 * ``--rdzv-backend=c10d`` for multi-node / elastic launches;
-* ``--rdzv-conf last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3`` (a dead agent
+* ``--rdzv-conf last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3,join_timeout=120`` (a dead agent
   is noticed in ~3-6 s; fewer than 3 attempts produced a split brain here, so it is refused);
 * ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in the agents' environment (scale-up works).
 """
@@ -14,11 +14,12 @@ adds, unless given:
 from __future__ import annotations
 
 import os
+import socket
 from typing import Sequence
 
 from lightning_fleet.planning import FleetError
 
-RDZV_DEFAULTS = {"last_call_timeout": "1", "keep_alive_interval": "1", "keep_alive_max_attempt": "3"}
+RDZV_DEFAULTS = {"last_call_timeout": "1", "keep_alive_interval": "1", "keep_alive_max_attempt": "3", "join_timeout": "120"}
 MIN_KEEP_ALIVE_ATTEMPTS = 3
 
 
@@ -70,8 +71,21 @@ def torchrun_argv(argv: Sequence[str]) -> list[str]:
     return options + script
 
 
+def check_endpoint(argv: Sequence[str]) -> None:
+    """Fail at once, with one line, when the rendezvous host does not resolve (torchrun would retry for minutes)."""
+    endpoint = _option(_parse_options(list(argv))[0], "rdzv-endpoint")
+    if endpoint is None or not endpoint[1]:
+        return
+    host = endpoint[1].rsplit(":", 1)[0].strip("[]") if ":" in endpoint[1] else endpoint[1]
+    try:
+        socket.getaddrinfo(host, None)
+    except OSError as err:
+        raise FleetError(f"--rdzv-endpoint {endpoint[1]}: host {host!r} does not resolve ({err.strerror}); give the address of the rendezvous host") from None
+
+
 def launch(argv: Sequence[str]) -> int:
     """Run torch.distributed.run with the fleet defaults; returns its exit code."""
+    check_endpoint(argv)
     args = torchrun_argv(argv)
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     from torch.distributed.run import main as torchrun_main

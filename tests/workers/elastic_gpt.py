@@ -87,8 +87,7 @@ def main() -> None:
     checkpoint = checkpoint_cls(out / "ckpt", every_n_steps=args.every, **extra)
     trainer = Trainer(
         accelerator="cpu",
-        devices=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
-        num_nodes=int(os.environ.get("GROUP_WORLD_SIZE", 1)),
+        devices=1,  # deliberately not the launcher's: the strategy takes devices and nodes from torchrun
         strategy=lightning_fleet.FleetStrategy(plan=args.plan, global_batch_size=args.gbs, cluster=None),
         max_steps=args.steps,
         logger=False,
