@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_fleet import calibrate
 from lightning_fleet.elastic.callback import FleetCheckpoint, set_rng_state
-from lightning_fleet.elastic.checkpoint import MANIFEST, newest_verified, refuse_unsafe_pickles, verify
+from lightning_fleet.elastic.checkpoint import MANIFEST, make_universal, newest_verified, refuse_unsafe_pickles, verify
 from lightning_fleet.elastic.sampler import GlobalBatchSampler, MicroBatchCollate, MicroBatches
 from lightning_fleet.planning import (
     ClusterSpec,
@@ -125,6 +125,8 @@ class FleetStrategy(DeepSpeedStrategy):
         self.checkpoint_every = (checkpoint_every_n_steps, checkpoint_every_n_seconds)
         self.resumed_from: Path | None = None
         """The checkpoint this fit resumed from (None for a fresh start)."""
+        self._auto_resume: Path | None = None
+        self._reshard: Path | None = None
         self.plan: Plan | None = None
         """The plan being trained (set at setup)."""
         self.estimate: Estimate | None = None
@@ -211,8 +213,9 @@ class FleetStrategy(DeepSpeedStrategy):
     def setup(self, trainer) -> None:  # type: ignore[no-untyped-def]
         """Plan (rank 0 decides, every rank applies the same plan), then let DeepSpeed set up."""
         if trainer.state.fn == TrainerFn.FITTING:
-            self._choose_plan(trainer)
             self._attach_checkpointing(trainer)
+            self._choose_plan(trainer)
+            self._prepare_reshard()
         super().setup(trainer)
 
     def _attach_checkpointing(self, trainer) -> None:  # type: ignore[no-untyped-def]
@@ -224,16 +227,14 @@ class FleetStrategy(DeepSpeedStrategy):
             trainer.callbacks.append(callbacks[0])
         if not callbacks:
             return
-        directory = callbacks[0].dirpath
+        self._auto_resume = self._newest_checkpoint(callbacks[0].dirpath)
         connector = trainer._checkpoint_connector
         resume_start = connector.resume_start
 
         def resume_from_newest(checkpoint_path=None, weights_only=None):  # type: ignore[no-untyped-def]
             # Lightning calls this right after setup with the user's ckpt_path (None when not given)
-            if checkpoint_path is None:
-                checkpoint_path = self._newest_checkpoint(directory)
             connector.resume_start = resume_start
-            return resume_start(checkpoint_path, weights_only)
+            return resume_start(checkpoint_path if checkpoint_path is not None else self._auto_resume, weights_only)
 
         connector.resume_start = resume_from_newest
 
@@ -241,6 +242,39 @@ class FleetStrategy(DeepSpeedStrategy):
         """Rank 0 picks the newest verified checkpoint (logging every one it skips); all ranks get its path."""
         verdict = newest_verified(directory) if self.is_global_zero else None
         return self.broadcast(verdict.path if verdict is not None else None)
+
+    def _resume_manifest(self) -> dict | None:
+        return json.loads((self._auto_resume / MANIFEST).read_text()) if self._auto_resume is not None else None
+
+    def _prepare_reshard(self) -> None:
+        """When the newest checkpoint was written at another world size: convert it to DeepSpeed's universal form (once)."""
+        manifest = self._resume_manifest()
+        if manifest is None or manifest["world_size"] == self.world_size:
+            return
+        source = parse_plan(manifest["plan"])
+        if source.tp > 1 or source.pp > 1 or source.zero == 0:
+            raise FleetError(
+                f"checkpoint {self._auto_resume} was written by {source} on {manifest['world_size']} processes; resharding to "
+                f"{self.world_size} processes needs a ZeRO 1-3 data-parallel checkpoint (tp=1, pp=1): relaunch with "
+                f"{manifest['world_size']} processes"
+            )
+        converted = self._on_rank_zero(lambda: make_universal(self._auto_resume))
+        assert isinstance(self.config, dict)
+        self.config["checkpoint"] = {"load_universal": True}
+        self._reshard = converted
+
+    def _on_rank_zero(self, fn):  # type: ignore[no-untyped-def]
+        """Run ``fn`` on rank 0 and give every rank its result, or raise its FleetError on every rank."""
+        result: Any = None
+        if self.is_global_zero:
+            try:
+                result = fn()
+            except FleetError as err:
+                result = err
+        result = self.broadcast(result)
+        if isinstance(result, FleetError):
+            raise result
+        return result
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Load a FleetCheckpoint directory (verified, pickles screened, RNG restored) or a plain DeepSpeed one."""
@@ -252,18 +286,24 @@ class FleetStrategy(DeepSpeedStrategy):
         if problem is not None:
             raise problem
         manifest = json.loads((path / MANIFEST).read_text())
-        if manifest["world_size"] != self.world_size or manifest["plan"] != str(self.plan):
+        if self._reshard is not None and path == self._auto_resume:
+            state = super().load_checkpoint(self._reshard, weights_only)  # universal: any dp, any ZeRO stage >= 1
+            how = f"resharded from {manifest['world_size']} to {self.world_size} processes, {manifest['plan']} -> {self.plan}"
+        elif manifest["world_size"] != self.world_size or manifest["plan"] != str(self.plan):
             raise FleetError(
                 f"checkpoint {path} was written by plan {manifest['plan']} on {manifest['world_size']} processes; this job runs "
-                f"{self.plan} on {self.world_size}: resuming across plans is not available yet, relaunch with the same world and plan"
+                f"{self.plan} on {self.world_size}: give no ckpt_path (the strategy reshards its own newest checkpoint) or relaunch "
+                "with the same world"
             )
-        state = super().load_checkpoint(path / "state", weights_only)
-        rank_file = path / f"rank-{self.global_rank:05d}.pt"
-        if rank_file.is_file():
-            set_rng_state(torch.load(rank_file, weights_only=True))
+        else:
+            state = super().load_checkpoint(path / "state", weights_only)
+            rank_file = path / f"rank-{self.global_rank:05d}.pt"
+            if rank_file.is_file():
+                set_rng_state(torch.load(rank_file, weights_only=True))
+            how = "same plan and world"
         self.resumed_from = path
         if self.is_global_zero:
-            print(f"lightning_fleet: resumed from {path} (step {manifest['step']})", flush=True)
+            print(f"lightning_fleet: resumed from {path} (step {manifest['step']}; {how})", flush=True)
         return state
 
     @staticmethod
@@ -295,6 +335,14 @@ class FleetStrategy(DeepSpeedStrategy):
         self._shuffle = _is_shuffled(loader)  # the user's loader: Lightning's re-instantiated one hides it
         example = _example_batch(loader)
         gbs = self.global_batch_size or int(loader.batch_size) * self.world_size
+        manifest = self._resume_manifest()
+        if manifest is not None:  # the optimisation continues: same global batch whatever the new world
+            if self.global_batch_size is not None and self.global_batch_size != manifest["global_batch_size"]:
+                raise FleetError(
+                    f"FleetStrategy(global_batch_size={self.global_batch_size}) but checkpoint {self._auto_resume} was trained with "
+                    f"{manifest['global_batch_size']}: keep it, or start in a new checkpoint_dir"
+                )
+            gbs = manifest["global_batch_size"]
         precision = _precision_of(trainer)
         started = time.perf_counter()
         self.model_spec = profile_module(module, example, global_batch_size=gbs, precision=precision, name=type(module).__name__)
@@ -347,6 +395,18 @@ class FleetStrategy(DeepSpeedStrategy):
 
     def _constraints(self):  # type: ignore[no-untyped-def]
         module = self.lightning_module
+        manifest = self._resume_manifest()
+        if manifest is not None and manifest["world_size"] != self.world_size:
+            # resharding goes through a universal checkpoint: data parallel with ZeRO partitions
+            return runtime_constraints(
+                has_tensor_parallel=False,
+                has_pipeline=False,
+                has_layers=find_layers(module) is not None,
+                allow_offload=self.allow_offload,
+                require_offload=self.require_offload,
+                # DeepSpeed loads a universal checkpoint into the ZeRO stage that wrote it (measured: 2->1 and 1->2 processes)
+                zero_stages=(parse_plan(manifest["plan"]).zero,),
+            )
         return runtime_constraints(
             has_tensor_parallel=tensor_parallel_hook(module) is not None,
             has_pipeline=pipeline_hook(module) is not None and find_layers(module) is not None,
@@ -362,8 +422,12 @@ class FleetStrategy(DeepSpeedStrategy):
         """The plan string, or the FleetError that every rank then raises."""
         assert self.model_spec is not None and self.cluster is not None
         try:
-            if self.forced_plan is not None:
-                forced = parse_plan(self.forced_plan, global_batch_size=self.model_spec.global_batch_size)
+            manifest = self._resume_manifest()
+            forced_text = self.forced_plan
+            if forced_text is None and manifest is not None and manifest["world_size"] == self.world_size:
+                forced_text = manifest["plan"]  # same world: continue the checkpoint's plan exactly
+            if forced_text is not None:
+                forced = parse_plan(forced_text, global_batch_size=self.model_spec.global_batch_size)
                 _check_runtime_supports(forced, self._constraints(), type(self.lightning_module).__name__)
                 chosen = estimate(self.model_spec, self.cluster, forced)
                 _print_table(chosen, None, self.cluster)

@@ -269,3 +269,27 @@ def test_malicious_pickle_is_refused_and_never_runs(checkpoints, tmp_path):
     assert "os.system" in str(err.value) or "posix.system" in str(err.value)
     assert "refusing" in str(err.value)
     assert not marker.exists()
+
+
+def test_resize_down_and_up_replans_reshards_and_loses_nothing(tmp_path):
+    """Scenario 9 (and the resharding of 7/8): ZeRO-3 on 2 processes -> 1 process -> 2 processes.
+
+    Each relaunch at another world re-plans (the micro-batch and accumulation change, the global
+    batch stays), converts the newest checkpoint to DeepSpeed's universal form and continues; the
+    final weights equal the one-process reference within 2e-5.
+    """
+    first = launch(tmp_path, "--steps", "4", "--every", "2", "--plan", "dp=2,zero=3", restarts=0)
+    assert finish(first) == 0, (tmp_path / "launch.log").read_text()[-3000:]
+    down = launch(tmp_path, "--steps", "7", "--every", "3", restarts=0, nproc=1)
+    assert finish(down) == 0, (tmp_path / "launch.log").read_text()[-3000:]
+    assert torch.load(tmp_path / "final.pt", weights_only=False)["plan"].startswith("dp=1,")
+    up = launch(tmp_path, "--steps", "10", "--every", "3", restarts=0)
+    assert finish(up) == 0, (tmp_path / "launch.log").read_text()[-3000:]
+    log = (tmp_path / "launch.log").read_text()
+    assert "resharded from 2 to 1 processes" in log and "resharded from 1 to 2 processes" in log
+    result = torch.load(tmp_path / "final.pt", weights_only=False)
+    assert result["plan"].startswith("dp=2,") and ",zero=3," in result["plan"]
+    ref_loss, ref_state = reference_run(10, GBS)
+    assert result["global_step"] == 10 and result["eval_loss"] == pytest.approx(ref_loss, rel=1e-5)
+    for name, tensor in result["state"].items():
+        torch.testing.assert_close(tensor, ref_state[name], atol=2e-5, rtol=0, msg=name)

@@ -224,3 +224,43 @@ def refuse_unsafe_pickles(root: Path) -> None:
         unsafe = sorted(g for g in imports if g not in SAFE_GLOBALS and not _SAFE_PATTERN.match(g))
         if unsafe:
             raise FleetError(f"checkpoint file {path} would import {', '.join(unsafe)} when loaded; refusing it (the payload was not run)")
+
+
+# --- resharding ------------------------------------------------------------------------------------
+
+UNIVERSAL = "universal"
+_UNIVERSAL_DONE = ".complete"
+
+
+def universal_dir(step: Path) -> Path:
+    """Where the layout-free (universal) form of a checkpoint lives."""
+    return step / UNIVERSAL
+
+
+def make_universal(step: Path, timeout_s: float = 900) -> Path:
+    """Convert a verified checkpoint's ZeRO shards to DeepSpeed's universal form (per parameter, any dp), once.
+
+    Runs ``python -m deepspeed.checkpoint.ds_to_universal`` into a temporary directory that is
+    renamed into place and marked complete only when the conversion succeeded.
+    """
+    import subprocess
+    import sys
+
+    target = universal_dir(step)
+    if (target / _UNIVERSAL_DONE).is_file():
+        return target
+    tmp = step / f".tmp-{UNIVERSAL}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(target, ignore_errors=True)
+    cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(step / "state" / "checkpoint"),
+           "--output_folder", str(tmp / "checkpoint"), "--inject_missing_state", "--num_extract_workers", "1", "--num_merge_workers", "1"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+        raise FleetError(f"converting {step} to a universal checkpoint failed: {tail[0]}")
+    (tmp / "latest_universal").write_text("checkpoint")
+    (tmp / _UNIVERSAL_DONE).write_text("")
+    fsync_tree(tmp)
+    tmp.rename(target)
+    fsync_path(step)
+    return target
