@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
@@ -42,7 +41,7 @@ from lightning_fleet.planning import (
 )
 from lightning_fleet.planning import plan as search_plans
 from lightning_fleet.planning.cluster import GIB
-from lightning_fleet.profiling import batch_size_of, find_layers, profile_module, tensor_parallel_hook
+from lightning_fleet.profiling import find_layers, profile_module, tensor_parallel_hook
 from lightning_fleet.runtime.deepspeed_config import deepspeed_config, runtime_constraints
 from lightning_fleet.runtime.pipeline import build_pipeline, evaluate, local_optimizer, micro_batch_iterator, pipeline_hook
 

@@ -20,10 +20,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# Set by an in-process Trainer or by a launcher; a worker that inherits them believes it was
+# launched externally (LOCAL_RANK) and waits forever for peers nobody starts.
+_LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
 def worker_env(tmp: Path) -> dict[str, str]:
-    """Environment of a worker: one thread, loopback, a private calibration cache."""
+    """Environment of a worker: one thread, loopback, a private calibration cache, no inherited launch state."""
+    inherited = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS and not k.startswith(("TORCHELASTIC_", "PL_"))}
     return {
-        **os.environ,
+        **inherited,
         "OMP_NUM_THREADS": "1",
         "PYTHONPATH": str(ROOT),
         "MASTER_ADDR": "127.0.0.1",

@@ -29,6 +29,17 @@ class NoHooks(LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+@pytest.fixture(autouse=True)
+def restore_environment():
+    """An in-process Trainer writes RANK, LOCAL_RANK, MASTER_PORT, PL_* into os.environ: undo it for later tests."""
+    import os
+
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 def fit(strategy, module=None, **trainer_kwargs) -> Trainer:
     trainer = Trainer(
         accelerator="cpu",

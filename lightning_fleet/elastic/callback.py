@@ -84,6 +84,8 @@ class FleetCheckpoint(Callback):
         """True once a SIGTERM stopped training (after the checkpoint was committed)."""
         self.saved: list[Path] = []
         """Checkpoints this process committed, in order."""
+        self.save_seconds: list[float] = []
+        """Wall time of each of those saves (from the first barrier to the commit)."""
         self._sigterm = False
         self._previous_handler: Any = None
         self._last_save_time = time.monotonic()
@@ -134,6 +136,7 @@ class FleetCheckpoint(Callback):
         step = trainer.global_step
         if step == self._last_saved_step:
             return None
+        started = time.perf_counter()
         final = self.dirpath / step_dir_name(step)
         tmp = self.dirpath / f".tmp-{final.name}"
         strategy = trainer.strategy
@@ -152,6 +155,7 @@ class FleetCheckpoint(Callback):
         self._last_save_time = time.monotonic()
         self._last_saved_step = step
         self.saved.append(final)
+        self.save_seconds.append(time.perf_counter() - started)
         return final
 
     def _commit(self, trainer: Any, tmp: Path, final: Path) -> None:

@@ -48,7 +48,8 @@ class Recorder(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         with open(self.out / f"consumed-rank{trainer.global_rank}.jsonl", "a") as f:
-            f.write(json.dumps({"step": trainer.global_step, "indices": self.seen, "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))}) + "\n")
+            record = {"step": trainer.global_step, "indices": self.seen, "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)), "time": time.time()}
+            f.write(json.dumps(record) + "\n")
         self.seen = []
         if self.sleep:
             time.sleep(self.sleep)
@@ -105,6 +106,7 @@ def main() -> None:
         loss = float(model.loss((x, y)))
     if trainer.global_rank == 0:
         torch.save({"eval_loss": loss, "state": state, "global_step": trainer.global_step, "preempted": checkpoint.preempted,
+                    "save_seconds": checkpoint.save_seconds,
                     "resumed_from": str(trainer.strategy.resumed_from), "plan": str(trainer.strategy.plan)}, out / "final.pt")
 
 
