@@ -144,7 +144,7 @@ def test_kill_during_save_resumes_from_the_previous_checkpoint(tmp_path):
     proc = launch(tmp_path, "--steps", "10", "--every", "2", "--die-in-save", "6", "--plan", "dp=2,zero=3")
     assert finish(proc) == 0, (tmp_path / "launch.log").read_text()[-3000:]
     log = (tmp_path / "launch.log").read_text()
-    assert "resumed from" in log and "step-000000004 (step 4)" in log
+    assert "resumed from" in log and "step-000000004 (step 4;" in log
     assert_nothing_lost(tmp_path, 10)
 
 
@@ -218,7 +218,7 @@ def test_resume_after_bitflip_uses_the_previous_checkpoint(checkpoints, tmp_path
     proc = launch(tmp_path, "--steps", "8", "--every", "100", "--plan", "dp=2,zero=2", restarts=0)
     assert finish(proc) == 0, (tmp_path / "launch.log").read_text()[-3000:]
     log = (tmp_path / "launch.log").read_text()
-    assert "skipping checkpoint" in log and "step-000000006" in log and "resumed from" in log and "(step 4)" in log
+    assert "skipping checkpoint" in log and "step-000000006" in log and "resumed from" in log and "(step 4;" in log
 
 
 @pytest.mark.parametrize("pointer", ["missing", "dangling"])
