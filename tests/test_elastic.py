@@ -31,11 +31,11 @@ FLEET = [sys.executable, "-m", "lightning_fleet", "launch"]
 GBS = 8
 
 
-def launch(tmp: Path, *worker_args: str, restarts: int = 1, nproc: int = 2) -> psutil.Popen:
-    """Start `fleet launch` (torchrun) in its own process group; output goes to tmp/launch.log."""
-    log = open(tmp / "launch.log", "a")
-    cmd = [*FLEET, f"--nproc-per-node={nproc}", f"--max-restarts={restarts}", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
-           "--rdzv-backend=c10d", str(WORKER), "--dir", str(tmp), *worker_args]
+def launch(tmp: Path, *worker_args: str, restarts: int = 1, nproc: int = 2, nnodes: str = "1", port: int | None = None, log_name: str = "launch.log") -> psutil.Popen:
+    """Start `fleet launch` (torchrun) in its own process group; output goes to tmp/<log_name>."""
+    log = open(tmp / log_name, "a")
+    cmd = [*FLEET, f"--nnodes={nnodes}", f"--nproc-per-node={nproc}", f"--max-restarts={restarts}",
+           f"--rdzv-endpoint=127.0.0.1:{port or free_port()}", "--rdzv-backend=c10d", str(WORKER), "--dir", str(tmp), *worker_args]
     return psutil.Popen(cmd, env=worker_env(tmp), cwd=ROOT, stdout=log, stderr=log, start_new_session=True)
 
 
@@ -291,5 +291,30 @@ def test_resize_down_and_up_replans_reshards_and_loses_nothing(tmp_path):
     assert result["plan"].startswith("dp=2,") and ",zero=3," in result["plan"]
     ref_loss, ref_state = reference_run(10, GBS)
     assert result["global_step"] == 10 and result["eval_loss"] == pytest.approx(ref_loss, rel=1e-5)
+    for name, tensor in result["state"].items():
+        torch.testing.assert_close(tensor, ref_state[name], atol=2e-5, rtol=0, msg=name)
+
+
+def test_scale_down_when_an_agent_dies(tmp_path):
+    """Scenario 7: two agents under --nnodes=1:2 (one process each); SIGKILL the agent that does not host the
+    rendezvous, with its worker: the survivor re-plans for one process, reshards, keeps the global batch and
+    finishes with the reference's weights."""
+    port = free_port()
+    args = ("--steps", "16", "--every", "2", "--sleep", "0.4", "--zero-stages", "3")
+    agents = [launch(tmp_path, *args, restarts=3, nproc=1, nnodes="1:2", port=port, log_name=f"agent{i}.log") for i in range(2)]
+    wait_for_steps(tmp_path, 5)
+    assert json.loads((tmp_path / "consumed-rank1.jsonl").read_text().splitlines()[0])  # both processes trained together
+    host = next(c.pid for c in psutil.net_connections("tcp") if c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN)
+    victim = next(a for a in agents if host not in (a.pid, *[c.pid for c in a.children(recursive=True)]))
+    survivor = next(a for a in agents if a is not victim)
+    for proc in [*victim.children(recursive=True), victim]:
+        proc.kill()
+    assert finish(survivor) == 0, (tmp_path / "agent0.log").read_text()[-2000:] + (tmp_path / "agent1.log").read_text()[-2000:]
+    log = (tmp_path / "agent0.log").read_text() + (tmp_path / "agent1.log").read_text()
+    assert "resharded from 2 to 1 processes" in log
+    result = torch.load(tmp_path / "final.pt", weights_only=False)
+    assert result["plan"].startswith("dp=1,")
+    ref_loss, ref_state = reference_run(16, GBS)
+    assert result["global_step"] == 16 and result["eval_loss"] == pytest.approx(ref_loss, rel=1e-5)
     for name, tensor in result["state"].items():
         torch.testing.assert_close(tensor, ref_state[name], atol=2e-5, rtol=0, msg=name)

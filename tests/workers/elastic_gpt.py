@@ -75,6 +75,7 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=2)
     parser.add_argument("--gbs", type=int, default=8)
     parser.add_argument("--plan", default=None)
+    parser.add_argument("--zero-stages", default="0,1,2,3", help="ZeRO stages the planner may use")
     parser.add_argument("--sleep", type=float, default=0.0)
     parser.add_argument("--die-in-save", type=int, default=None)
     args = parser.parse_args()
@@ -89,7 +90,9 @@ def main() -> None:
     trainer = Trainer(
         accelerator="cpu",
         devices=1,  # deliberately not the launcher's: the strategy takes devices and nodes from torchrun
-        strategy=lightning_fleet.FleetStrategy(plan=args.plan, global_batch_size=args.gbs, cluster=None),
+        strategy=lightning_fleet.FleetStrategy(
+            plan=args.plan, global_batch_size=args.gbs, zero_stages=tuple(int(z) for z in args.zero_stages.split(","))
+        ),
         max_steps=args.steps,
         logger=False,
         enable_checkpointing=False,
