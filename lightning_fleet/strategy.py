@@ -280,10 +280,7 @@ class FleetStrategy(DeepSpeedStrategy):
         path = Path(checkpoint_path)
         if not (path / MANIFEST).is_file():
             return super().load_checkpoint(checkpoint_path, weights_only)
-        problem = self._check_checkpoint(path) if self.is_global_zero else None
-        problem = self.broadcast(problem)
-        if problem is not None:
-            raise problem
+        self._on_rank_zero(lambda: _check_checkpoint(path))
         manifest = json.loads((path / MANIFEST).read_text())
         if self._reshard is not None and path == self._auto_resume:
             state = super().load_checkpoint(self._reshard, weights_only)  # universal: any dp, any ZeRO stage >= 1
@@ -304,17 +301,6 @@ class FleetStrategy(DeepSpeedStrategy):
         if self.is_global_zero:
             print(f"lightning_fleet: resumed from {path} (step {manifest['step']}; {how})", flush=True)
         return state
-
-    @staticmethod
-    def _check_checkpoint(path: Path) -> FleetError | None:
-        verdict = verify(path)
-        if not verdict.ok:
-            return FleetError(f"checkpoint {path} cannot be used: {verdict.reason}")
-        try:
-            refuse_unsafe_pickles(path)
-        except FleetError as err:
-            return err
-        return None
 
     def _format_batch_size_and_grad_accum_config(self) -> None:
         """Micro-batch and accumulation come from the plan, not from the Trainer's flags."""
@@ -348,11 +334,8 @@ class FleetStrategy(DeepSpeedStrategy):
         profiled = time.perf_counter()
         self.cluster = self._resolve_cluster()
         measured = time.perf_counter()
-        decided = self.broadcast(self._plan_on_rank_zero() if self.is_global_zero else None)
+        self.plan = parse_plan(self._on_rank_zero(self._plan_on_rank_zero))  # an error is raised on every rank
         self.startup_s = {"profile_s": profiled - started, "cluster_s": measured - profiled, "plan_s": time.perf_counter() - measured}
-        if isinstance(decided, FleetError):  # every rank raises rank 0's error, none waits in a collective
-            raise decided
-        self.plan = parse_plan(decided)
         self.estimate = estimate(self.model_spec, self.cluster, self.plan)
         tp = tensor_parallel_hook(module)
         self.config = deepspeed_config(
@@ -417,25 +400,22 @@ class FleetStrategy(DeepSpeedStrategy):
             zero_stages=self.zero_stages,
         )
 
-    def _plan_on_rank_zero(self) -> str | FleetError:
-        """The plan string, or the FleetError that every rank then raises."""
+    def _plan_on_rank_zero(self) -> str:
+        """The plan string (rank 0 only: it prints the table)."""
         assert self.model_spec is not None and self.cluster is not None
-        try:
-            manifest = self._resume_manifest()
-            forced_text = self.forced_plan
-            if forced_text is None and manifest is not None and manifest["world_size"] == self.world_size:
-                forced_text = manifest["plan"]  # same world: continue the checkpoint's plan exactly
-            if forced_text is not None:
-                forced = parse_plan(forced_text, global_batch_size=self.model_spec.global_batch_size)
-                _check_runtime_supports(forced, self._constraints(), type(self.lightning_module).__name__)
-                chosen = estimate(self.model_spec, self.cluster, forced)
-                _print_table(chosen, None, self.cluster)
-                return str(forced)
-            result = search_plans(self.model_spec, self.cluster, top=self.top, constraints=self._constraints())
-            _print_table(result.best, result, self.cluster)
-            return str(result.best.plan)
-        except FleetError as err:
-            return err
+        manifest = self._resume_manifest()
+        forced_text = self.forced_plan
+        if forced_text is None and manifest is not None and manifest["world_size"] == self.world_size:
+            forced_text = manifest["plan"]  # same world: continue the checkpoint's plan exactly
+        if forced_text is not None:
+            forced = parse_plan(forced_text, global_batch_size=self.model_spec.global_batch_size)
+            _check_runtime_supports(forced, self._constraints(), type(self.lightning_module).__name__)
+            chosen = estimate(self.model_spec, self.cluster, forced)
+            _print_table(chosen, None, self.cluster)
+            return str(forced)
+        result = search_plans(self.model_spec, self.cluster, top=self.top, constraints=self._constraints())
+        _print_table(result.best, result, self.cluster)
+        return str(result.best.plan)
 
     def _get_process_group_backend(self) -> str:
         return self._process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
@@ -616,6 +596,14 @@ def _check_runtime_supports(plan: Plan, constraints: Any, module_name: str) -> N
         raise FleetError(f"plan {plan}: zero={plan.zero} is outside zero_stages={constraints.zero_stages}")
     if plan.offload is not Offload.NONE and not constraints.allow_offload:
         raise FleetError(f"plan {plan} offloads, but allow_offload=False")
+
+
+def _check_checkpoint(path: Path) -> None:
+    """Raise FleetError unless the checkpoint's manifest verifies and its pickles import only allowed globals."""
+    verdict = verify(path)
+    if not verdict.ok:
+        raise FleetError(f"checkpoint {path} cannot be used: {verdict.reason}")
+    refuse_unsafe_pickles(path)
 
 
 def _engine_zeroes_gradients(*args: Any, **kwargs: Any) -> None:

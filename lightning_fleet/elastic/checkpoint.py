@@ -27,7 +27,7 @@ import shutil
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 from lightning_fleet.planning import FleetError
 
@@ -132,7 +132,7 @@ def committed(dirpath: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)), reverse=True)
 
 
-def newest_verified(dirpath: Path, log: "callable[[str], None]" = print) -> Verdict | None:
+def newest_verified(dirpath: Path, log: Callable[[str], None] = print) -> Verdict | None:
     """The newest checkpoint whose manifest verifies. ``latest`` is only a hint; every skip is logged."""
     hint = dirpath / LATEST
     if hint.exists():
