@@ -23,7 +23,8 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_fleet import calibrate
 from lightning_fleet.elastic.callback import FleetCheckpoint, set_rng_state
-from lightning_fleet.elastic.checkpoint import MANIFEST, make_universal, newest_verified, refuse_unsafe_pickles, verify
+from lightning_fleet.elastic.checkpoint import MANIFEST, newest_verified, refuse_unsafe_pickles, verify
+from lightning_fleet.elastic.reshard import make_universal
 from lightning_fleet.elastic.sampler import GlobalBatchSampler, MicroBatchCollate, MicroBatches
 from lightning_fleet.planning import (
     ClusterSpec,
@@ -246,18 +247,25 @@ class FleetStrategy(DeepSpeedStrategy):
         return json.loads((self._auto_resume / MANIFEST).read_text()) if self._auto_resume is not None else None
 
     def _prepare_reshard(self) -> None:
-        """When the newest checkpoint was written at another world size: convert it to DeepSpeed's universal form (once)."""
+        """When the newest checkpoint was written at another world size: verify it, screen its pickles, and
+        convert it to the universal form every ZeRO stage 1-3 loads (once)."""
         manifest = self._resume_manifest()
         if manifest is None or manifest["world_size"] == self.world_size:
             return
-        source = parse_plan(manifest["plan"])
-        if source.tp > 1 or source.pp > 1 or source.zero == 0:
+        source, path = parse_plan(manifest["plan"]), self._auto_resume
+        assert path is not None
+        if source.tp > 1 or source.pp > 1:
             raise FleetError(
-                f"checkpoint {self._auto_resume} was written by {source} on {manifest['world_size']} processes; resharding to "
-                f"{self.world_size} processes needs a ZeRO 1-3 data-parallel checkpoint (tp=1, pp=1): relaunch with "
+                f"checkpoint {path} was written by {source} on {manifest['world_size']} processes; resharding to "
+                f"{self.world_size} processes needs a data-parallel checkpoint (tp=1, pp=1): relaunch with "
                 f"{manifest['world_size']} processes"
             )
-        converted = self._on_rank_zero(lambda: make_universal(self._auto_resume))
+
+        def convert() -> Path:
+            _check_checkpoint(path)  # nothing is unpickled before the manifest verifies and the pickles are screened
+            return make_universal(path, source.zero)
+
+        converted = self._on_rank_zero(convert)
         assert isinstance(self.config, dict)
         self.config["checkpoint"] = {"load_universal": True}
         self._reshard = converted
@@ -379,15 +387,20 @@ class FleetStrategy(DeepSpeedStrategy):
         module = self.lightning_module
         manifest = self._resume_manifest()
         if manifest is not None and manifest["world_size"] != self.world_size:
-            # resharding goes through a universal checkpoint: data parallel with ZeRO partitions
+            # resharding goes through a universal checkpoint: data parallel with ZeRO 1-3 partitions
+            stages = tuple(z for z in self.zero_stages if z >= 1)
+            if not stages:
+                raise FleetError(
+                    f"checkpoint {self._auto_resume} must be resharded to {self.world_size} processes, which needs ZeRO stage "
+                    f"1, 2 or 3, but FleetStrategy(zero_stages={self.zero_stages}): allow one of them"
+                )
             return runtime_constraints(
                 has_tensor_parallel=False,
                 has_pipeline=False,
                 has_layers=find_layers(module) is not None,
                 allow_offload=self.allow_offload,
                 require_offload=self.require_offload,
-                # DeepSpeed loads a universal checkpoint into the ZeRO stage that wrote it (measured: 2->1 and 1->2 processes)
-                zero_stages=(parse_plan(manifest["plan"]).zero,),
+                zero_stages=stages,
             )
         return runtime_constraints(
             has_tensor_parallel=tensor_parallel_hook(module) is not None,

@@ -53,10 +53,10 @@ def steps_done(tmp: Path, rank: int = 0) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
-def wait_for_steps(tmp: Path, count: int, timeout: float = 180) -> None:
+def wait_for_steps(tmp: Path, count: int, timeout: float = 180, log_name: str = "launch.log") -> None:
     deadline = time.monotonic() + timeout
     while steps_done(tmp) < count:
-        assert time.monotonic() < deadline, f"no {count} steps within {timeout} s:\n{(tmp / 'launch.log').read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"no {count} steps within {timeout} s:\n{(tmp / log_name).read_text()[-3000:]}"
         time.sleep(0.2)
 
 
@@ -271,24 +271,25 @@ def test_malicious_pickle_is_refused_and_never_runs(checkpoints, tmp_path):
     assert not marker.exists()
 
 
-def test_resize_down_and_up_replans_reshards_and_loses_nothing(tmp_path):
-    """Scenario 9 (and the resharding of 7/8): ZeRO-3 on 2 processes -> 1 process -> 2 processes.
+def test_resize_across_plan_kinds_replans_reshards_and_loses_nothing(tmp_path):
+    """Scenario 9 (and the resharding of 7/8): ZeRO-0 on 2 processes -> ZeRO-3 on 1 -> ZeRO-1 with optimizer offload on 2.
 
     Each relaunch at another world re-plans (the micro-batch and accumulation change, the global
-    batch stays), converts the newest checkpoint to DeepSpeed's universal form and continues; the
-    final weights equal the one-process reference within 2e-5.
+    batch stays), converts the newest checkpoint to the universal form every ZeRO stage loads and
+    continues; the final weights equal the one-process reference within 2e-5.
     """
-    first = launch(tmp_path, "--steps", "4", "--every", "2", "--plan", "dp=2,zero=3", restarts=0)
+    first = launch(tmp_path, "--steps", "4", "--every", "2", "--plan", "dp=2,zero=0", restarts=0)
     assert finish(first) == 0, (tmp_path / "launch.log").read_text()[-3000:]
-    down = launch(tmp_path, "--steps", "7", "--every", "3", restarts=0, nproc=1)
+    down = launch(tmp_path, "--steps", "7", "--every", "3", "--zero-stages", "3", restarts=0, nproc=1)
     assert finish(down) == 0, (tmp_path / "launch.log").read_text()[-3000:]
-    assert torch.load(tmp_path / "final.pt", weights_only=False)["plan"].startswith("dp=1,")
-    up = launch(tmp_path, "--steps", "10", "--every", "3", restarts=0)
+    assert torch.load(tmp_path / "final.pt", weights_only=False)["plan"].startswith("dp=1,tp=1,pp=1,zero=3,")
+    up = launch(tmp_path, "--steps", "10", "--every", "3", "--plan", "dp=2,zero=1,mbs=4,gas=1,offload=optimizer", restarts=0)
     assert finish(up) == 0, (tmp_path / "launch.log").read_text()[-3000:]
     log = (tmp_path / "launch.log").read_text()
-    assert "resharded from 2 to 1 processes" in log and "resharded from 1 to 2 processes" in log
+    assert "resharded from 2 to 1 processes, dp=2,tp=1,pp=1,zero=0," in log
+    assert "resharded from 1 to 2 processes, dp=1,tp=1,pp=1,zero=3," in log
     result = torch.load(tmp_path / "final.pt", weights_only=False)
-    assert result["plan"].startswith("dp=2,") and ",zero=3," in result["plan"]
+    assert result["plan"].startswith("dp=2,") and ",zero=1," in result["plan"] and result["plan"].endswith("offload=optimizer")
     ref_loss, ref_state = reference_run(10, GBS)
     assert result["global_step"] == 10 and result["eval_loss"] == pytest.approx(ref_loss, rel=1e-5)
     for name, tensor in result["state"].items():
@@ -318,3 +319,24 @@ def test_scale_down_when_an_agent_dies(tmp_path):
     assert result["global_step"] == 16 and result["eval_loss"] == pytest.approx(ref_loss, rel=1e-5)
     for name, tensor in result["state"].items():
         torch.testing.assert_close(tensor, ref_state[name], atol=2e-5, rtol=0, msg=name)
+
+
+def test_scale_up_when_an_agent_joins(tmp_path):
+    """Scenario 8: one agent runs alone under --nnodes=1:2; a second agent joins: torchrun stops the worker (SIGTERM:
+    FleetCheckpoint saves at a step boundary), both re-rendezvous at world 2, re-plan, reshard 1 -> 2, keep the global
+    batch and finish with the reference's weights; every step read exactly its samples."""
+    port = free_port()
+    args = ("--steps", "30", "--every", "4", "--sleep", "1.0", "--sleep-only-alone", "--zero-stages", "0,2")
+    first = launch(tmp_path, *args, restarts=3, nproc=1, nnodes="1:2", port=port, log_name="agent0.log")
+    wait_for_steps(tmp_path, 4, log_name="agent0.log")
+    assert not (tmp_path / "consumed-rank1.jsonl").exists()  # trained alone so far
+    second = launch(tmp_path, *args, restarts=3, nproc=1, nnodes="1:2", port=port, log_name="agent1.log")
+    logs = lambda: (tmp_path / "agent0.log").read_text()[-2000:] + (tmp_path / "agent1.log").read_text()[-2000:]  # noqa: E731
+    assert finish(first) == 0, logs()
+    assert finish(second) == 0, logs()
+    log = (tmp_path / "agent0.log").read_text() + (tmp_path / "agent1.log").read_text()
+    assert "resharded from 1 to 2 processes" in log, logs()
+    result = assert_nothing_lost(tmp_path, 30)
+    assert result["plan"].startswith("dp=2,")
+    joined = [json.loads(line)["step"] for line in (tmp_path / "consumed-rank1.jsonl").read_text().splitlines()]
+    assert min(joined) < 30 - 5, "the second agent joined too late to train with the first"

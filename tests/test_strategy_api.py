@@ -146,3 +146,20 @@ def test_bad_global_batch_size():
     """A non-positive global batch size is refused at construction."""
     with pytest.raises(FleetError, match="global_batch_size=0"):
         lightning_fleet.FleetStrategy(global_batch_size=0)
+
+
+def test_tensor_parallel_checkpoint_at_another_world_is_refused(tmp_path):
+    """Resharding covers data-parallel checkpoints (ZeRO 0-3); a verified tp=2 one resumed on 1 process: one clear line."""
+    import json
+
+    from lightning_fleet.elastic.checkpoint import LATEST, MANIFEST, build_manifest
+
+    step = tmp_path / "ckpt" / "step-000000002"
+    (step / "state").mkdir(parents=True)
+    (step / "state" / "placeholder").write_text("shards of a tp=2 job")
+    meta = {"step": 2, "world_size": 2, "global_batch_size": 4, "plan": "dp=1,tp=2,pp=1,zero=0,mbs=4,gas=1,recompute=none,sp=false,vpp=1,offload=none"}
+    (step / MANIFEST).write_text(json.dumps(build_manifest(step, meta)))
+    (tmp_path / "ckpt" / LATEST).write_text(step.name)
+    with pytest.raises(FleetError) as err:
+        fit(lightning_fleet.FleetStrategy(checkpoint_dir=str(tmp_path / "ckpt")))
+    assert "resharding to 1 processes needs a data-parallel checkpoint (tp=1, pp=1): relaunch with 2 processes" in one_line(err)

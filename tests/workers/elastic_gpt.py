@@ -4,7 +4,8 @@ Every rank appends, per optimizer step it completes, the dataset indices it read
 ``<dir>/consumed-rank<R>.jsonl``; rank 0 writes the final eval loss and weights to ``<dir>/final.pt``.
 Test switches (test code, not the library): ``--die-in-save STEP`` kills rank 0 with SIGKILL inside
 the save of STEP after the shards are written and before the manifest; ``--sleep S`` slows each
-step so that a test can deliver a signal mid-run.
+step so that a test can deliver a signal mid-run (``--sleep-only-alone``: only while the world is one process,
+so that a scale-up test sees the join mid-run without slowing the rest).
 """
 
 from __future__ import annotations
@@ -32,9 +33,9 @@ from tests.workers.train_gpt import DATA, SIZES, eval_batch, full_state  # noqa:
 class Recorder(Callback):
     """Logs the dataset indices each optimizer step read, per rank (the committed history is the last write per step)."""
 
-    def __init__(self, dataset, out: Path, sleep: float) -> None:
+    def __init__(self, dataset, out: Path, sleep: float, only_alone: bool = False) -> None:
         self.seen: list[int] = []
-        self.out, self.sleep = out, sleep
+        self.out, self.sleep, self.only_alone = out, sleep, only_alone
         original = dataset.__getitem__.__func__
 
         def getitem(ds, i):
@@ -51,7 +52,7 @@ class Recorder(Callback):
             record = {"step": trainer.global_step, "indices": self.seen, "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)), "time": time.time()}
             f.write(json.dumps(record) + "\n")
         self.seen = []
-        if self.sleep:
+        if self.sleep and not (self.only_alone and trainer.world_size > 1):
             time.sleep(self.sleep)
 
 
@@ -77,6 +78,7 @@ def main() -> None:
     parser.add_argument("--plan", default=None)
     parser.add_argument("--zero-stages", default="0,1,2,3", help="ZeRO stages the planner may use")
     parser.add_argument("--sleep", type=float, default=0.0)
+    parser.add_argument("--sleep-only-alone", action="store_true")
     parser.add_argument("--die-in-save", type=int, default=None)
     args = parser.parse_args()
     out = Path(args.dir)
@@ -99,7 +101,7 @@ def main() -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         limit_val_batches=0,
-        callbacks=[checkpoint, Recorder(dm.train_set, out, args.sleep)],
+        callbacks=[checkpoint, Recorder(dm.train_set, out, args.sleep, args.sleep_only_alone)],
     )
     dm.setup = lambda stage: None  # keep the recorded dataset object
     trainer.fit(model, dm)

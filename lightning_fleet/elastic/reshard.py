@@ -1,0 +1,178 @@
+"""Resharding a checkpoint to another world size and ZeRO stage, through DeepSpeed's universal form.
+
+A universal checkpoint stores, per parameter name, the full fp32 weight and optimizer moments
+(``zero/<name>/{fp32,exp_avg,exp_avg_sq,step}.pt``) plus the optimizer's global state
+(``zero/optimizer_state.pt``); DeepSpeed slices it for any data-parallel size at load time.
+
+DeepSpeed 0.19.8 writes it in a form only the ZeRO stage that wrote the checkpoint can read
+(measured: a ZeRO-3 one loaded into ZeRO-1 fails with "Empty ds_version in checkpoint"; ZeRO-3
+stores flat moments and no ``step.pt``; the model-state file each stage looks for has another
+name), and it cannot convert a ZeRO-0 checkpoint at all (no ZeRO shards). :func:`make_universal`
+therefore converts with DeepSpeed's ``ds_to_universal`` (ZeRO 1-3) or writes the per-parameter
+files itself (ZeRO-0: full weights and a plain torch optimizer state), and then normalises the
+result so that every ZeRO stage 1-3 loads it. Tensor- and pipeline-parallel checkpoints are not
+resharded (their per-rank layouts have no verified conversion here): a clear error says so.
+
+Every file read here is loaded with ``weights_only=True`` and an explicit allowlist of the few
+DeepSpeed classes its checkpoints hold; the source checkpoint is verified and its pickles
+screened before this module is called.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from lightning_fleet.elastic.checkpoint import fsync_path, fsync_tree
+from lightning_fleet.planning import FleetError
+
+UNIVERSAL = "universal"
+_DONE = ".complete"
+_MOMENTS = ("fp32", "exp_avg", "exp_avg_sq")
+_MODEL_STATE_NAMES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
+"""Universal loading reads rank 0's model-state file for metadata only; ZeRO 1-2 look for the first
+name, ZeRO-3 for the second (DeepSpeed 0.19.8 engine._get_all_ckpt_names)."""
+
+
+def universal_dir(step: Path) -> Path:
+    """Where the layout-free (universal) form of a checkpoint lives."""
+    return step / UNIVERSAL
+
+
+def make_universal(step: Path, source_zero: int, timeout_s: float = 900) -> Path:
+    """Write (once) the universal form of a verified, screened checkpoint directory written with ``source_zero``.
+
+    Works into a temporary directory that is renamed into place and marked complete only when
+    the conversion and normalisation succeeded, so a kill midway leaves nothing half-usable.
+    """
+    target = universal_dir(step)
+    if (target / _DONE).is_file():
+        return target
+    tmp = step / f".tmp-{UNIVERSAL}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(target, ignore_errors=True)
+    source, out = step / "state" / "checkpoint", tmp / "checkpoint"
+    if source_zero == 0:
+        _universal_from_zero0(source, out)
+    else:
+        cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(source), "--output_folder", str(out),
+               "--inject_missing_state", "--num_extract_workers", "1", "--num_merge_workers", "1"]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        if done.returncode != 0:
+            tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+            raise FleetError(f"converting {step} to a universal checkpoint failed: {tail[0]}")
+    normalize_universal(out)
+    (tmp / "latest_universal").write_text("checkpoint")
+    (tmp / _DONE).write_text("")
+    fsync_tree(tmp)
+    tmp.rename(target)
+    fsync_path(step)
+    return target
+
+
+def _load(path: Path) -> Any:
+    """torch.load with weights_only=True, allowing only the DeepSpeed classes its checkpoints hold."""
+    import torch
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    with torch.serialization.safe_globals([LossScaler, DynamicLossScaler, ZeroStageEnum]):
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _save(obj: Any, path: Path) -> None:
+    import torch
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(obj, path)
+
+
+def _param_shapes(model_state: dict) -> dict[str, Any]:
+    groups = model_state.get("param_shapes") or []
+    return {name: shape for group in groups for name, shape in group.items()}
+
+
+def normalize_universal(folder: Path) -> None:
+    """Make a universal checkpoint folder loadable into ZeRO stage 1, 2 or 3, whichever stage wrote it.
+
+    Per parameter: every moment file becomes ``{"param": tensor in the parameter's shape,
+    "cat_dim": 0}`` and ``step.pt`` exists. Globally: ``optimizer_state.pt`` carries both what
+    ZeRO 1-2 read (``ds_version``, ``param_groups``) and what ZeRO-3 reads (the base optimizer's
+    ``param_groups`` and step); the model-state metadata exists under both stages' names.
+    """
+    import torch
+
+    states = [folder / name for name in _MODEL_STATE_NAMES if (folder / name).is_file()]
+    if not states:
+        raise FleetError(f"universal checkpoint {folder} has no model-state file; it cannot be loaded")
+    model_state = _load(states[0])
+    shapes = _param_shapes(model_state)
+    optim = _load(folder / "zero" / "optimizer_state.pt")
+    base = optim.get("optimizer_state_dict") or {}
+    step = next(iter(base.get("state", {}).values()), {}).get("step")
+    for name, shape in shapes.items():
+        for key in _MOMENTS:
+            path = folder / "zero" / name / f"{key}.pt"
+            value = _load(path)
+            if not isinstance(value, dict):
+                _save({"param": value.reshape(shape), "cat_dim": 0}, path)
+        step_file = folder / "zero" / name / "step.pt"
+        if step_file.is_file():
+            step = _load(step_file) if step is None else step
+        elif step is not None:
+            _save(torch.as_tensor(step, dtype=torch.float32), step_file)
+    if step is None:
+        raise FleetError(f"universal checkpoint {folder} records no optimizer step; it cannot be resumed exactly")
+    optim.setdefault("ds_version", model_state["ds_version"])
+    optim["optimizer_state_dict"] = {"state": {0: {"step": torch.as_tensor(step, dtype=torch.float32)}}, "param_groups": optim["param_groups"]}
+    _save(optim, folder / "zero" / "optimizer_state.pt")
+    for name in _MODEL_STATE_NAMES:
+        if not (folder / name).is_file():
+            shutil.copyfile(states[0], folder / name)
+
+
+def _universal_from_zero0(source: Path, out: Path) -> None:
+    """Write the universal form of a ZeRO-0 checkpoint: full fp32 weights and a plain torch optimizer state.
+
+    The optimizer's parameters are matched to names by order (the module's parameters, tied ones
+    once, buffers excluded), which holds for one parameter group over ``module.parameters()``.
+    Anything else is refused with the reason rather than guessed.
+    """
+    files = sorted(source.glob("mp_rank_*_model_states.pt"))
+    if len(files) != 1:
+        raise FleetError(f"ZeRO-0 checkpoint {source} has {len(files)} model-state files (tensor parallel?); only tp=1 is resharded")
+    model_state = _load(files[0])
+    optimizer = model_state.get("optimizer")
+    if not isinstance(optimizer, dict) or "state" not in optimizer or len(optimizer.get("param_groups", [])) != 1:
+        raise FleetError(
+            f"ZeRO-0 checkpoint {source} has no single-group torch optimizer state (mixed precision or several parameter "
+            "groups); relaunch with the world size that wrote it"
+        )
+    module, buffers = model_state["module"], set(model_state.get("buffer_names") or [])
+    names, seen = [], set()
+    for name, tensor in module.items():
+        if name in buffers or id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        names.append(name)
+    group = optimizer["param_groups"][0]
+    if len(group["params"]) != len(names):
+        raise FleetError(
+            f"ZeRO-0 checkpoint {source}: the optimizer has {len(group['params'])} parameters but the module {len(names)}; "
+            "relaunch with the world size that wrote it"
+        )
+    step = None
+    for index, name in zip(group["params"], names):
+        state = optimizer["state"][index]
+        step = state["step"]
+        _save({"param": module[name].float(), "cat_dim": 0}, out / "zero" / name / "fp32.pt")
+        for key in ("exp_avg", "exp_avg_sq"):
+            _save({"param": state[key], "cat_dim": 0}, out / "zero" / name / f"{key}.pt")
+        _save(step, out / "zero" / name / "step.pt")
+    meta = dict(model_state, optimizer=None, param_shapes=[{name: module[name].shape for name in names}])
+    _save({"param_groups": [dict(group, params=list(range(len(names))))], "ds_version": model_state["ds_version"],
+           "optimizer_state_dict": {"state": {0: {"step": step}}, "param_groups": optimizer["param_groups"]}}, out / "zero" / "optimizer_state.pt")
+    _save(meta, out / _MODEL_STATE_NAMES[0])
