@@ -71,16 +71,25 @@ def worker_pid(proc: psutil.Popen, local_rank: int) -> int:
     raise AssertionError(f"no worker with LOCAL_RANK={local_rank}")
 
 
+def records(tmp: Path, rank: int) -> list[dict]:
+    """What one rank recorded, one dict per optimizer step it completed (every attempt)."""
+    path = tmp / f"consumed-rank{rank}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
 def committed_history(tmp: Path, world: int) -> dict[int, list[int]]:
-    """Step -> indices read by all ranks, taking each rank's last record of that step (the run that committed)."""
+    """Step -> indices read by the attempt that committed it: the newest one, whose world may differ from earlier ones.
+
+    A lone process reads all GBS samples of a step, so when the newest record of a step holds GBS samples one
+    process committed it and only that record counts (after a scale-down the dead rank's aborted attempt must not be
+    added); otherwise each rank's last record of the step.
+    """
+    per_rank = [records(tmp, rank) for rank in range(world)]
     history: dict[int, list[int]] = {}
-    for rank in range(world):
-        last: dict[int, list[int]] = {}
-        for line in (tmp / f"consumed-rank{rank}.jsonl").read_text().splitlines():
-            record = json.loads(line)
-            last[record["step"]] = record["indices"]
-        for step, indices in last.items():
-            history.setdefault(step, []).extend(indices)
+    for step in sorted({r["step"] for rs in per_rank for r in rs}):
+        last = [max((r for r in rs if r["step"] == step), key=lambda r: r["time"], default=None) for rs in per_rank]
+        newest = max((r for r in last if r), key=lambda r: r["time"])
+        history[step] = newest["indices"] if len(newest["indices"]) == GBS else [i for r in last if r for i in r["indices"]]
     return history
 
 
@@ -331,7 +340,7 @@ def test_scale_up_when_an_agent_joins(tmp_path):
     wait_for_steps(tmp_path, 4, log_name="agent0.log")
     assert not (tmp_path / "consumed-rank1.jsonl").exists()  # trained alone so far
     second = launch(tmp_path, *args, restarts=3, nproc=1, nnodes="1:2", port=port, log_name="agent1.log")
-    logs = lambda: (tmp_path / "agent0.log").read_text()[-2000:] + (tmp_path / "agent1.log").read_text()[-2000:]  # noqa: E731
+    logs = lambda: (tmp_path / "agent0.log").read_text()[-2000:] + (tmp_path / "agent1.log").read_text()[-2000:]
     assert finish(first) == 0, logs()
     assert finish(second) == 0, logs()
     log = (tmp_path / "agent0.log").read_text() + (tmp_path / "agent1.log").read_text()

@@ -44,3 +44,35 @@ def test_unresolvable_endpoint_fails_at_once_with_one_line(capsys):
     err = capsys.readouterr().err
     assert code == 2 and time.monotonic() - started < 5
     assert err.count("\n") == 1 and "host 'no-such-host.invalid' does not resolve" in err
+
+
+def test_unreachable_endpoint_fails_within_read_timeout(capsys):
+    """Scenario 11: a remote endpoint that accepts no connection (TEST-NET-1 address) is one line and exit 2 after
+    read_timeout, instead of torchrun's 158 s of retries with C++ stack traces (measured)."""
+    started = time.monotonic()
+    code = main(["launch", "--nnodes=2", "--nproc-per-node=1", "--rdzv-endpoint=192.0.2.1:29400", "--rdzv-conf=read_timeout=3", "train.py"])
+    err = capsys.readouterr().err
+    assert code == 2 and time.monotonic() - started < 10
+    assert err.count("\n") == 1 and "--rdzv-endpoint 192.0.2.1:29400 did not accept a connection within 3 s" in err
+
+
+def test_silent_endpoint_is_a_bounded_failure(tmp_path):
+    """Scenario 11: a port that accepts connections but is no rendezvous store (torchrun alone hangs for good here):
+    the launcher exits 2 with one line after join_timeout + read_timeout, and started no worker."""
+    import socket
+    import subprocess
+    import sys
+
+    from tests.multiprocess import ROOT, worker_env
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        port = silent.getsockname()[1]
+        cmd = [sys.executable, "-m", "lightning_fleet", "launch", "--nnodes=2", "--nproc-per-node=1", f"--rdzv-endpoint=127.0.0.1:{port}",
+               "--rdzv-conf=join_timeout=4,read_timeout=2", str(ROOT / "tests" / "workers" / "elastic_gpt.py"), "--dir", str(tmp_path)]
+        started = time.monotonic()
+        done = subprocess.run(cmd, env=worker_env(tmp_path), cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and time.monotonic() - started < 30, done.stdout[-2000:] + done.stderr[-2000:]
+    assert f"fleet launch: no rendezvous at 127.0.0.1:{port} within 6 s" in done.stdout
+    assert not (tmp_path / "consumed-rank0.jsonl").exists()

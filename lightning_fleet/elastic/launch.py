@@ -9,17 +9,27 @@ adds, unless given:
 * ``--rdzv-conf last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3,join_timeout=120`` (a dead agent
   is noticed in ~3-6 s; fewer than 3 attempts produced a split brain here, so it is refused);
 * ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in the agents' environment (scale-up works).
+
+A wrong endpoint is one line and a bounded wait, never a hang (measured with torchrun alone: an
+unroutable host took 158 s and printed C++ stack traces; a port that accepts connections but is
+not a rendezvous store hung for good): the host must resolve, a remote endpoint must accept a TCP
+connection within ``read_timeout`` (torchrun's own store timeout, 60 s unless given), and the first
+rendezvous must start the workers within ``join_timeout + read_timeout``.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import threading
+import time
 from typing import Sequence
 
 from lightning_fleet.planning import FleetError
 
 RDZV_DEFAULTS = {"last_call_timeout": "1", "keep_alive_interval": "1", "keep_alive_max_attempt": "3", "join_timeout": "120"}
+TORCHRUN_READ_TIMEOUT_S = 60
+"""torchrun's c10d store timeout when ``--rdzv-conf read_timeout`` is not given."""
 MIN_KEEP_ALIVE_ATTEMPTS = 3
 
 
@@ -71,16 +81,89 @@ def torchrun_argv(argv: Sequence[str]) -> list[str]:
     return options + script
 
 
-def check_endpoint(argv: Sequence[str]) -> None:
-    """Fail at once, with one line, when the rendezvous host does not resolve (torchrun would retry for minutes)."""
+def _endpoint(argv: Sequence[str]) -> tuple[str, int | None] | None:
+    """(host, port) of ``--rdzv-endpoint`` if given (port None when left out)."""
     endpoint = _option(_parse_options(list(argv))[0], "rdzv-endpoint")
     if endpoint is None or not endpoint[1]:
+        return None
+    text = endpoint[1]
+    if text.startswith("["):  # [IPv6]:port
+        host, _, rest = text[1:].partition("]")
+        port = rest[1:]
+    elif text.count(":") == 1:
+        host, port = text.split(":")
+    else:
+        host, port = text, ""
+    return host, int(port) if port.isdigit() else None
+
+
+def _rdzv_seconds(argv: Sequence[str], key: str, default: int) -> int:
+    conf = _option(_parse_options(list(argv))[0], "rdzv-conf")
+    given = dict(item.split("=", 1) for item in conf[1].split(",") if "=" in item) if conf else {}
+    return int(given.get(key, default))
+
+
+def check_endpoint(argv: Sequence[str]) -> None:
+    """Fail with one line when the rendezvous host does not resolve, or, being another machine's (or a port in
+    use here), does not accept a connection within ``read_timeout`` (torchrun would retry for minutes)."""
+    found = _endpoint(argv)
+    if found is None:
         return
-    host = endpoint[1].rsplit(":", 1)[0].strip("[]") if ":" in endpoint[1] else endpoint[1]
+    host, port = found
     try:
         socket.getaddrinfo(host, None)
     except OSError as err:
-        raise FleetError(f"--rdzv-endpoint {endpoint[1]}: host {host!r} does not resolve ({err.strerror}); give the address of the rendezvous host") from None
+        raise FleetError(f"--rdzv-endpoint {host}: host {host!r} does not resolve ({err.strerror}); give the address of the rendezvous host") from None
+    if port is None or _can_host(host, port):
+        return  # this agent will host the store
+    wait_s = _rdzv_seconds(argv, "read_timeout", TORCHRUN_READ_TIMEOUT_S)
+    deadline, reason = time.monotonic() + wait_s, ""
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, port), timeout=max(0.5, min(5.0, deadline - time.monotonic()))):
+                return
+        except OSError as err:
+            reason = err.strerror or type(err).__name__
+            time.sleep(0.5)  # the host's agent may simply not be up yet
+    raise FleetError(
+        f"--rdzv-endpoint {host}:{port} did not accept a connection within {wait_s} s ({reason}): start the agent on the "
+        "rendezvous host first, or fix the address and port"
+    )
+
+
+def _can_host(host: str, port: int) -> bool:
+    """Whether this machine could open the rendezvous store at host:port (a local address with the port free)."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.bind((host, port))
+        return True
+    except OSError:
+        return False
+
+
+def _watch_first_rendezvous(argv: Sequence[str]) -> None:
+    """Exit with one line if no worker was started within join_timeout + read_timeout (an endpoint that accepts
+    connections but never answers as a rendezvous store hangs torchrun for good)."""
+    import psutil
+
+    bound = _rdzv_seconds(argv, "join_timeout", int(RDZV_DEFAULTS["join_timeout"])) + _rdzv_seconds(
+        argv, "read_timeout", TORCHRUN_READ_TIMEOUT_S
+    )
+    found = _endpoint(argv)
+    where = f"{found[0]}:{found[1]}" if found and found[1] else "the rendezvous endpoint"
+
+    def watch() -> None:
+        deadline, me = time.monotonic() + bound, psutil.Process()
+        while time.monotonic() < deadline:
+            if me.children():
+                return  # the rendezvous completed: workers are running
+            time.sleep(0.5)
+        print(f"fleet launch: no rendezvous at {where} within {bound} s (join_timeout + read_timeout): it does not answer as "
+              "a torchrun rendezvous store; check --rdzv-endpoint and that the agents can reach each other", flush=True)
+        os._exit(2)
+
+    threading.Thread(target=watch, name="fleet-rendezvous-watchdog", daemon=True).start()
 
 
 def launch(argv: Sequence[str]) -> int:
@@ -88,6 +171,7 @@ def launch(argv: Sequence[str]) -> int:
     check_endpoint(argv)
     args = torchrun_argv(argv)
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    _watch_first_rendezvous(args)
     from torch.distributed.run import main as torchrun_main
 
     try:
