@@ -8,6 +8,7 @@ device kind and world shape, so a restart does not measure again.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import time
@@ -31,8 +32,10 @@ from lightning_fleet.planning import (
 from lightning_fleet.planning.cluster import GIB
 from lightning_fleet.planning.yamlspec import read_yaml
 
-MATMUL_SIZES = (64, 512)
-"""Square matmul sizes whose rates fit the saturating efficiency curve (small, large)."""
+MATMUL_SIZES = (32, 64, 128, 256, 512)
+"""Square matmul sizes whose rates fit the saturating efficiency curve."""
+ALLREDUCE_BYTES = (4096, 65536, 1024 * 1024, 8 * 1024 * 1024)
+"""All-reduce message sizes whose times fit the ring model's latency and bandwidth."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -47,21 +50,32 @@ class WorldShape:
     """Processes per node."""
 
 
-def fit_saturation(small: tuple[float, float], large: tuple[float, float]) -> tuple[float, float]:
-    """Solve r(d) = peak * d / (d + half) through two measured (d, rate) points; returns (peak, half)."""
-    (n1, r1), (n2, r2) = small, large
-    k = r2 / r1
-    if k * n1 - n2 >= 0 or k <= 1:  # no saturation visible: the rate is flat
-        return max(r1, r2), 0.0
-    half = n1 * n2 * (1 - k) / (k * n1 - n2)
-    return r2 * (n2 + half) / n2, half
+def least_squares_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """(intercept, slope) of the ordinary least-squares line through the points."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+    return my - slope * mx, slope
 
 
-def fit_alpha_beta(small: tuple[float, float], large: tuple[float, float], n: int) -> tuple[float, float]:
-    """Ring all-reduce t = 2(n-1) a + 2(n-1)/n * B * b through two (bytes, seconds) points; returns (alpha_s, beta_s_per_byte)."""
-    (b1, t1), (b2, t2) = small, large
-    beta = max((t2 - t1) / ((b2 - b1) * 2 * (n - 1) / n), 1e-12)
-    alpha = max((t1 - 2 * (n - 1) / n * b1 * beta) / (2 * (n - 1)), 0.0)
+def fit_saturation(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Fit r(d) = peak * d / (d + half) to measured (d, rate) points; returns (peak, half).
+
+    1/r = 1/peak + (half/peak) * (1/d) is a line in 1/d, fitted by least squares. A rate that
+    does not grow with size (slope <= 0) is flat: (fastest rate, 0).
+    """
+    intercept, slope = least_squares_line([1 / d for d, _ in points], [1 / r for _, r in points])
+    if slope <= 0 or intercept <= 0:
+        return max(r for _, r in points), 0.0
+    return 1 / intercept, slope / intercept
+
+
+def fit_alpha_beta(points: list[tuple[float, float]], n: int) -> tuple[float, float]:
+    """Fit the ring all-reduce t = 2(n-1) a + 2(n-1)/n * B * b to (bytes, seconds) points; returns (alpha_s, beta_s_per_byte)."""
+    intercept, slope = least_squares_line([float(b) for b, _ in points], [t for _, t in points])
+    beta = max(slope / (2 * (n - 1) / n), 1e-12)
+    alpha = max(intercept / (2 * (n - 1)), 0.0)
     return alpha, beta
 
 
@@ -115,8 +129,7 @@ def _device_spec(device: torch.device, shape: WorldShape) -> tuple[DeviceSpec, f
     """The measured device, and the matmul size at which it reaches half its large-matmul rate."""
     fits = {}
     for key, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        small, large = (_min_across_ranks(matmul_rate(n, device, dtype), device) for n in MATMUL_SIZES)
-        fits[key] = fit_saturation((MATMUL_SIZES[0], small), (MATMUL_SIZES[1], large))
+        fits[key] = fit_saturation([(n, _min_across_ranks(matmul_rate(n, device, dtype), device)) for n in MATMUL_SIZES])
     peak = {key: rate / 1e12 for key, (rate, _) in fits.items()}
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
@@ -132,8 +145,7 @@ def _device_spec(device: torch.device, shape: WorldShape) -> tuple[DeviceSpec, f
 def _link(device: torch.device, world_size: int) -> LinkSpec:
     if world_size == 1:
         return LinkSpec(bandwidth_GBps=100.0, latency_us=1.0)  # never used: no collective with one process
-    small, large = 4096, 8 * 1024 * 1024
-    alpha, beta = fit_alpha_beta((small, allreduce_seconds(small, device)), (large, allreduce_seconds(large, device)), world_size)
+    alpha, beta = fit_alpha_beta([(b, allreduce_seconds(b, device)) for b in ALLREDUCE_BYTES], world_size)
     return LinkSpec(bandwidth_GBps=round(1 / beta / 1e9, 4), latency_us=round(alpha * 1e6, 2))
 
 
@@ -150,6 +162,21 @@ def op_overhead_s(device: torch.device) -> float:
     return _timed(run, 5) / 500
 
 
+def adam_params_per_s(device: torch.device, params: int = 2_000_000, tensors: int = 40) -> float:
+    """Parameters per second torch's AdamW (its default foreach path, as DeepSpeed runs a user's optimizer) updates on ``device``."""
+    weights = [torch.nn.Parameter(torch.randn(params // tensors, device=device)) for _ in range(tensors)]
+    for w in weights:
+        w.grad = torch.randn_like(w)
+    optimizer = torch.optim.AdamW(weights, lr=1e-3)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def run() -> None:
+        optimizer.step()
+        sync()
+
+    return params / _timed(run, 5)
+
+
 def _host_copy_GBps(device: torch.device) -> float:
     src = torch.empty(64 * 1024 * 1024, dtype=torch.uint8)
     dst = torch.empty_like(src, device=device)
@@ -162,11 +189,104 @@ def _host_copy_GBps(device: torch.device) -> float:
     return src.numel() / _timed(run, 3) / 1e9
 
 
-def measure_cluster(device: torch.device, shape: WorldShape) -> ClusterSpec:
-    """Microbenchmark the live job (every rank must call this together) and describe it."""
+PROBE_LAYERS = 16
+"""Linear layers of the framework probe (width 16: its compute is negligible)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FrameworkOverheads:
+    """Seconds the framework itself (Lightning's loop, FleetStrategy, DeepSpeed's engine) adds, per ZeRO stage 0-3."""
+
+    step_s: tuple[float, ...]
+    """Per optimizer step (optimizer launch, boundary bookkeeping, callbacks)."""
+    microbatch_s: tuple[float, ...]
+    """Per micro-batch beyond its operators' dispatch (engine forward/backward wrappers, ZeRO hooks), for the probe."""
+    probe_tensors: int
+    """Parameter tensors of the probe (ZeRO's extra per-micro-batch time is taken to scale with them)."""
+
+
+def framework_overheads(cluster: ClusterSpec, *, steps: int = 8, warmup: int = 2, accumulation: int = 4) -> FrameworkOverheads:
+    """Train a probe model (``PROBE_LAYERS`` Linear(16, 16)) through FleetStrategy at every ZeRO stage with 1 and with
+    ``accumulation`` micro-batches per step; the step time's growth per micro-batch is the micro-batch overhead and the
+    rest the step overhead (minus the probe's own operator dispatch, which the model prices separately). Every rank of
+    the live process group must call this together."""
+    import logging
+
+    from lightning.pytorch import LightningModule, Trainer
+    from lightning.pytorch.callbacks import Callback
+
+    from lightning_fleet.strategy import FleetStrategy
+
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+    world = cluster.world_size
+
+    class Probe(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(PROBE_LAYERS)])
+
+        def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
+            return self.layers(batch).square().mean()
+
+        def configure_optimizers(self):  # type: ignore[no-untyped-def]
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+        def train_dataloader(self):  # type: ignore[no-untyped-def]
+            return torch.utils.data.DataLoader(torch.randn(4096, 16), batch_size=1)
+
+    class Clock(Callback):
+        def __init__(self) -> None:
+            self.ends: list[float] = []
+
+        def on_train_batch_end(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            self.ends.append(time.perf_counter())
+
+    def median_step(zero: int, gas: int) -> float:
+        clock = Clock()
+        plan = f"dp={world},zero={zero},mbs=1,gas={gas}"
+        trainer = Trainer(accelerator=cluster_device(), devices=1, strategy=FleetStrategy(plan=plan, cluster=cluster, global_batch_size=world * gas),
+                          max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                          num_sanity_val_steps=0, limit_val_batches=0, callbacks=[clock])
+        trainer.fit(Probe())
+        gaps = sorted(b - a for a, b in zip(clock.ends[warmup:], clock.ends[warmup + 1 :]))
+        return _max_across_ranks(gaps[len(gaps) // 2])
+
+    def cluster_device() -> str:
+        return "gpu" if torch.cuda.is_available() else "cpu"
+
+    from lightning_fleet.profiling import profile_module
+
+    ops = profile_module(Probe(), torch.zeros(1, 16), global_batch_size=1).forward_ops
+    probe_ops_s = 3 * ops * cluster.calibration.op_overhead_s  # the model prices operator dispatch separately
+    step, micro = [], []
+    for zero in range(4):
+        one, many = median_step(zero, 1), median_step(zero, accumulation)
+        per_micro = max((many - one) / (accumulation - 1) - probe_ops_s, 0.0)
+        micro.append(per_micro)
+        step.append(max(one - per_micro - probe_ops_s, 0.0))
+    return FrameworkOverheads(step_s=tuple(step), microbatch_s=tuple(micro), probe_tensors=2 * PROBE_LAYERS)
+
+
+def _max_across_ranks(value: float) -> float:
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def measure_cluster(device: torch.device, shape: WorldShape, baseline_rss_bytes: float | None = None) -> ClusterSpec:
+    """Microbenchmark the live job (every rank must call this together) and describe it.
+
+    On CPU the memory a training process holds before its model (interpreter, torch, Lightning,
+    DeepSpeed) is the runtime reserve: ``baseline_rss_bytes`` when given, else this process' RSS now.
+    """
+    rss_gib = (psutil.Process().memory_info().rss if baseline_rss_bytes is None else baseline_rss_bytes) / GIB
     spec, half_dim = _device_spec(device, shape)
     link = _link(device, shape.world_size)
-    rss_gib = psutil.Process().memory_info().rss / GIB
+    device_adam = _min_across_ranks(adam_params_per_s(device), device)
+    host_adam = device_adam if device.type == "cpu" else _min_across_ranks(adam_params_per_s(torch.device("cpu")), device)
     return ClusterSpec(
         name=f"measured-{socket.gethostname()}",
         groups=(DeviceGroup(nodes=shape.num_nodes, devices_per_node=shape.local_world_size, device=spec),),
@@ -178,10 +298,61 @@ def measure_cluster(device: torch.device, shape: WorldShape) -> ClusterSpec:
             matmul_half_dim=round(half_dim, 2),
             overlap=0.8 if device.type == "cuda" else 0.0,
             op_overhead_s=float(f"{_min_across_ranks(op_overhead_s(device), device):.3g}"),
+            adam_params_per_s=float(f"{device_adam:.3g}"),
+            # an offloaded optimizer is the user's torch optimizer stepping on host tensors, every local rank at once
+            cpu_adam_params_per_s=float(f"{host_adam * shape.local_world_size:.3g}"),
             memory_reserve_fraction=0.05 if device.type == "cuda" else 0.0,
             memory_reserve_gib=round(1.0 if device.type == "cuda" else rss_gib, 3),
         ),
     )
+
+
+def with_framework_overheads(cluster: ClusterSpec) -> ClusterSpec:
+    """The cluster with its per-step and per-micro-batch framework time measured on the probe (all ranks together)."""
+    measured = framework_overheads(cluster)
+    base_step, base_micro = measured.step_s[0], measured.microbatch_s[0]
+    calibration = dataclasses.replace(
+        cluster.calibration,
+        step_overhead_s=float(f"{base_step:.3g}"),
+        microbatch_overhead_s=float(f"{base_micro:.3g}"),
+        zero_step_overhead_s=tuple(float(f"{max(v - base_step, 0.0):.3g}") for v in measured.step_s),
+        # ZeRO's extra time per micro-batch comes from per-parameter hooks: per tensor of the probe
+        zero_tensor_overhead_s=tuple(float(f"{max(v - base_micro, 0.0) / measured.probe_tensors:.3g}") for v in measured.microbatch_s),
+    )
+    return cluster.with_calibration(calibration)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m lightning_fleet.calibrate --out FILE``: measure this machine (alone, or every rank of a torchrun job) and
+    write the cluster YAML (rank 0). ``fleet calibrate`` runs this under torchrun for you."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m lightning_fleet.calibrate")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--no-framework", action="store_true", help="skip the framework probe (Lightning + DeepSpeed)")
+    args = parser.parse_args(argv)
+    import deepspeed  # noqa: F401  (a training process has these loaded: the memory baseline must include them)
+    import lightning.pytorch  # noqa: F401
+
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if world > 1:
+        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+    device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    started = time.perf_counter()
+    baseline = psutil.Process().memory_info().rss  # before any microbenchmark allocates
+    cluster = measure_cluster(device, WorldShape(world_size=world, num_nodes=max(1, world // local), local_world_size=local), baseline)
+    if not args.no_framework:
+        cluster = with_framework_overheads(cluster)
+    if int(os.environ.get("RANK", 0)) == 0:
+        save_cache(cluster, Path(args.out))
+        print(f"fleet calibrate: {args.out} written in {time.perf_counter() - started:.1f} s", flush=True)
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def cache_path(device: torch.device, shape: WorldShape) -> Path:
@@ -207,3 +378,7 @@ def save_cache(cluster: ClusterSpec, path: Path) -> None:
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(cluster.to_yaml())
     os.replace(tmp, path)
+
+
+if __name__ == "__main__":
+    main()

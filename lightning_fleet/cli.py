@@ -1,4 +1,4 @@
-"""The ``fleet`` command: ``fleet plan``, ``fleet estimate`` and ``fleet launch`` (also ``python -m lightning_fleet``).
+"""The ``fleet`` command: ``fleet plan``, ``fleet estimate``, ``fleet calibrate`` and ``fleet launch`` (also ``python -m lightning_fleet``).
 
 Every failure the user can cause ends in one line on stderr, ``fleet: error: ...``, and exit code 2.
 """
@@ -54,6 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
     est = sub.add_parser("estimate", help="predict memory and step time of one plan")
     _add_specs(est)
     est.add_argument("--plan", required=True, help='plan string, e.g. "dp=4,tp=2,pp=1,zero=1,mbs=2"')
+
+    cal = sub.add_parser("calibrate", help="measure this machine (microbenchmarks) and write a cluster YAML with fitted constants")
+    cal.add_argument("--out", required=True, help="cluster YAML to write")
+    cal.add_argument("--nproc-per-node", type=int, default=1, help="processes (devices) to measure together on this machine (default 1)")
+    cal.add_argument("--device", choices=("cpu", "cuda"), help="device kind (default: cuda when available)")
+    cal.add_argument("--no-framework", action="store_true", help="skip the Lightning + DeepSpeed framework probe")
+    cal.add_argument("--timeout", type=float, default=900, help="seconds before the measurement is abandoned (default 900)")
 
     run = sub.add_parser("launch", help="torchrun with fast, safe elastic defaults (takes torchrun's arguments)", add_help=False)
     run.add_argument("torchrun_args", nargs=argparse.REMAINDER)
@@ -166,6 +173,27 @@ def _print_plan(result: PlanResult, model: ModelSpec, cluster: ClusterSpec) -> N
         console.print(why)
 
 
+def _calibrate(args: argparse.Namespace) -> int:
+    """Run lightning_fleet.calibrate in its own process(es): alone, or under torchrun on 127.0.0.1 for several."""
+    import subprocess
+
+    if args.nproc_per_node < 1:
+        raise FleetError(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}")
+    module = ["-m", "lightning_fleet.calibrate", "--out", args.out] + (["--device", args.device] if args.device else [])
+    module += ["--no-framework"] if args.no_framework else []
+    launcher = [sys.executable]
+    if args.nproc_per_node > 1:
+        launcher += ["-m", "torch.distributed.run", f"--nproc-per-node={args.nproc_per_node}", "--rdzv-backend=c10d",
+                     "--rdzv-endpoint=127.0.0.1:0", "--nnodes=1"]
+    try:
+        done = subprocess.run(launcher + module, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        raise FleetError(f"calibration did not finish within {args.timeout:.0f} s; rerun with a larger --timeout") from None
+    if done.returncode != 0:
+        raise FleetError(f"calibration failed (exit {done.returncode}); its output is above")
+    return 0
+
+
 def _run(argv: Sequence[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["launch"]:  # everything after it is torchrun's, unparsed
@@ -173,6 +201,8 @@ def _run(argv: Sequence[str] | None) -> int:
 
         return launch(argv[1:])
     args = build_parser().parse_args(argv)
+    if args.command == "calibrate":
+        return _calibrate(args)
     model, cluster = _load(args)
     if args.command == "estimate":
         result = estimate(model, cluster, parse_plan(args.plan, global_batch_size=model.global_batch_size))

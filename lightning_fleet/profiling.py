@@ -276,7 +276,7 @@ def profile_module(
             for handle in handles:
                 handle.remove()
     spec = _to_model_spec(module, layers, recorder, tp, samples, global_batch_size, precision, name)
-    return dataclasses.replace(spec, forward_ops=ops.ops)
+    return dataclasses.replace(spec, forward_ops=ops.ops, param_tensors=sum(1 for p in module.parameters() if p.requires_grad))
 
 
 def _to_model_spec(module, layers, recorder, tp, samples, global_batch_size, precision, name) -> ModelSpec:

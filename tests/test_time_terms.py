@@ -20,7 +20,9 @@ from lightning_fleet.planning.time import (
     exposed_s,
     forward_s,
     gemm_dim,
+    microbatch_overhead_s,
     offload_s,
+    optimizer_step_s,
     pp_comm_s,
     recompute_s,
     tp_comm_s,
@@ -56,14 +58,14 @@ LOAD = _load(
 @pytest.mark.parametrize(
     ("mbs", "s", "h", "tp", "expected"),
     [
-        (2, 1024, 4096, 8, 4096 / 8),  # min(2048 tokens, 512) = 512
-        (1, 256, 4096, 1, 256),  # min(256 tokens, 4096) = 256
-        (4, 512, 1024, 2, 512),  # min(2048, 512) = 512
-        (1, 64, 1000, 8, 64),  # min(64, 125) = 64
+        (1, 64, 64, 1, 64),  # 64 tokens x 64 x 64: a 64-cube
+        (8, 64, 64, 1, 128),  # 2^9 * 2^6 * 2^6 = 2^21 -> 2^7
+        (2, 2048, 4096, 8, 2048),  # 2^12 tokens * 2^12 * 2^9 = 2^33 -> 2^11
+        (1, 1000, 1000, 1, 1000),
     ],
 )
 def test_gemm_dim(mbs: int, s: int, h: int, tp: int, expected: float) -> None:
-    """Smallest per-device GEMM dimension: min(mbs * s, h / tp)."""
+    """Cube edge of the per-device layer GEMM: (mbs * s * h * h / tp) ** (1/3)."""
     assert gemm_dim(mbs=mbs, seq_length=s, hidden_size=h, tp=tp) == pytest.approx(expected, rel=REL)
 
 
@@ -340,10 +342,59 @@ def test_time_estimate_step_is_sum_of_terms() -> None:
         dp_comm_s=0.5,
         bubble_s=0.375,
         offload_s=0.0625,
+        optimizer_s=0.015625,
         overhead_s=0.03125,
     )
-    expected = 1.0 + 0.25 + 0.125 + 0.5 + 0.375 + 0.0625 + 0.03125  # 2.34375
+    expected = 1.0 + 0.25 + 0.125 + 0.5 + 0.375 + 0.0625 + 0.015625 + 0.03125  # 2.359375
     assert est.step_s == pytest.approx(expected, rel=REL)
     assert sum(est.terms().values()) == pytest.approx(expected, rel=REL)
     assert est.to_dict()["step_s"] == pytest.approx(expected, rel=REL)
     assert est.largest_term() == ("compute", 1.0)
+
+
+# --- optimizer step and framework overhead (calibrated by `fleet calibrate`) -------------------------
+
+
+@pytest.mark.parametrize(
+    "zero,offload,expected",
+    [
+        (0, Offload.NONE, 8e8 / 2 / 1e8),  # ZeRO-0: every rank steps its whole tp shard: 4 s
+        (1, Offload.NONE, 8e8 / 2 / 4 / 1e8),  # ZeRO-1..3: its 1/dp partition: 1 s
+        (3, Offload.NONE, 8e8 / 2 / 4 / 1e8),
+        (2, Offload.OPTIMIZER, 0.0),  # the host steps (priced in offload_s)
+    ],
+)
+def test_optimizer_step_s(zero: int, offload: Offload, expected: float) -> None:
+    """optimizer_step_s = n / tp / (dp if zero >= 1) / adam rate; 8e8 params, tp 2, dp 4, 1e8 params/s."""
+    assert optimizer_step_s(8e8, tp=2, dp=4, zero=zero, offload=offload, adam_params_per_s=1e8) == pytest.approx(expected, rel=REL)
+
+
+def test_microbatch_overhead_by_zero_stage_and_tensor() -> None:
+    """fixed 2 ms + ZeRO-3's 0.5 ms per parameter tensor x 40 tensors + 3 x 100 ops x 10 us dispatch."""
+    calibration = Calibration(microbatch_overhead_s=0.002, zero_tensor_overhead_s=(0.0, 0.0, 0.0001, 0.0005), op_overhead_s=1e-5)
+    assert microbatch_overhead_s(100, calibration, 3, param_tensors=40) == pytest.approx(0.002 + 0.0005 * 40 + 3 * 100 * 1e-5, rel=REL)
+    assert microbatch_overhead_s(100, calibration, 0, param_tensors=40) == pytest.approx(0.002 + 3 * 100 * 1e-5, rel=REL)
+    assert Calibration().microbatch_overhead(3, 1000) == 0.0  # no ZeRO table: no per-tensor term
+
+
+def test_recomputation_repeats_dispatch_and_zero3_gathers() -> None:
+    """Recomputing half the forward: 3.5 x 100 ops dispatched; ZeRO-3 hooks on 40 x (1 + 0.5/2) = 50 tensors; ZeRO-2's do not rerun."""
+    calibration = Calibration(microbatch_overhead_s=0.002, zero_tensor_overhead_s=(0.0, 0.0, 0.0001, 0.0005), op_overhead_s=1e-5)
+    redo = microbatch_overhead_s(100, calibration, 3, param_tensors=40, recomputed=0.5)
+    assert redo == pytest.approx(0.002 + 0.0005 * 50 + 3.5 * 100 * 1e-5, rel=REL)
+    zero2 = microbatch_overhead_s(100, calibration, 2, param_tensors=40, recomputed=0.5)
+    assert zero2 == pytest.approx(0.002 + 0.0001 * 40 + 3.5 * 100 * 1e-5, rel=REL)
+
+
+def test_step_overhead_by_zero_stage() -> None:
+    """step_overhead_s plus the stage's extra."""
+    calibration = Calibration(step_overhead_s=0.02, zero_step_overhead_s=(0.0, 0.01, 0.015, 0.0))
+    assert [calibration.step_overhead(z) for z in range(4)] == pytest.approx([0.02, 0.03, 0.035, 0.02], rel=REL)
+
+
+@pytest.mark.parametrize("values", [(0.1, 0.2), (0.0, 0.0, -0.1, 0.0)])
+def test_zero_tables_need_four_non_negative_values(values) -> None:
+    from lightning_fleet.planning import SpecError
+
+    with pytest.raises(SpecError, match="zero_tensor_overhead_s must be four non-negative seconds"):
+        Calibration(zero_tensor_overhead_s=values)

@@ -123,7 +123,7 @@ class Calibration:
     """The cost model's free constants. Defaults are stated assumptions; `fleet calibrate` fits them.
 
     Achieved matmul throughput is ``peak * matmul_efficiency * d / (d + matmul_half_dim)`` where
-    ``d`` is the smallest GEMM dimension one device sees (tokens per micro-batch or hidden/tp):
+    ``d`` is the edge of the cube with the volume of one device's layer GEMM, ``(tokens * h * h/tp) ** (1/3)``:
     small per-device matrices run far from peak, large ones approach ``matmul_efficiency``.
     """
 
@@ -139,6 +139,14 @@ class Calibration:
     """Fixed framework time per micro-batch (engine bookkeeping), in seconds."""
     op_overhead_s: float = 0.0
     """Host time to dispatch one operator (Python + dispatcher + launch), in seconds; paid per operator of a micro-batch."""
+    zero_step_overhead_s: tuple[float, ...] = ()
+    """Extra framework time per optimizer step at ZeRO stage 0, 1, 2, 3 (four values, or empty for none), in seconds."""
+    zero_tensor_overhead_s: tuple[float, ...] = ()
+    """Extra framework time per micro-batch and per parameter tensor at ZeRO stage 0, 1, 2, 3 (DeepSpeed's
+    per-parameter hooks: gradient reduction, ZeRO-3's gather and release), four values or empty, in seconds."""
+    adam_params_per_s: float = 5.0e10
+    """Parameters per second the device's own Adam step updates (memory-bound: ~32 bytes moved per parameter;
+    5e10/s is an A100's ~1.6 TB/s). The step of an offloaded optimizer runs on the host instead."""
     cpu_adam_params_per_s: float = 2.0e9
     """Parameters per second one host updates with DeepSpeed's CPU Adam (offload), shared by its devices."""
     memory_reserve_fraction: float = 0.05
@@ -146,12 +154,26 @@ class Calibration:
     memory_reserve_gib: float = 1.0
     """Fixed device memory taken by the runtime (CUDA context, communicator buffers), in GiB."""
 
+    def step_overhead(self, zero: int) -> float:
+        """Framework seconds per optimizer step at this ZeRO stage."""
+        return self.step_overhead_s + (self.zero_step_overhead_s[zero] if self.zero_step_overhead_s else 0.0)
+
+    def microbatch_overhead(self, zero: int, param_tensors: int) -> float:
+        """Framework seconds per micro-batch at this ZeRO stage for a device holding ``param_tensors`` parameter tensors, beyond its operators' dispatch."""
+        per_tensor = self.zero_tensor_overhead_s[zero] if self.zero_tensor_overhead_s else 0.0
+        return self.microbatch_overhead_s + per_tensor * param_tensors
+
     def __post_init__(self) -> None:
         require_positive(
             "calibration.",
             matmul_efficiency=self.matmul_efficiency,
             cpu_adam_params_per_s=self.cpu_adam_params_per_s,
+            adam_params_per_s=self.adam_params_per_s,
         )
+        for name in ("zero_step_overhead_s", "zero_tensor_overhead_s"):
+            values = getattr(self, name)
+            if len(values) not in (0, 4) or any(v < 0 for v in values):
+                raise SpecError(f"calibration.{name} must be four non-negative seconds (ZeRO stages 0-3) or left out, got {list(values)}")
         require_non_negative(
             "calibration.",
             matmul_half_dim=self.matmul_half_dim,

@@ -92,6 +92,51 @@ def stage_activation_bytes(load: StageLoad, plan: Plan, recompute: Recompute) ->
     return mem.activations_bytes(load, tp=plan.tp, sp=plan.sp, recompute=recompute, mbs=plan.mbs, in_flight=in_flight)
 
 
+class ActivationModel:
+    """:func:`stage_activation_bytes` for many plans of one model, from the plan fields it depends on.
+
+    :func:`memory.activations_bytes` is the per-sample bytes (which depend on the stage, tp, sp and
+    recompute only) times mbs times the micro-batches in flight (which depend on the stage, pp, vpp
+    and gas only), plus the recompute transient (which does not depend on vpp or gas). Those three
+    are computed once and kept, and combined as there, so the result is the same bit for bit (tests
+    hold the two against each other).
+
+    Mutable (its memo tables grow); one per search.
+    """
+
+    __slots__ = ("_in_flight", "_per_sample", "_transient")
+
+    def __init__(self) -> None:
+        self._in_flight: dict[tuple[int, int, int], tuple[float, ...]] = {}
+        self._per_sample: dict[tuple[int, int, bool, tuple[Recompute, ...]], list[tuple[Recompute, tuple[float, ...]]]] = {}
+        self._transient: dict[tuple[int, int, bool, int, tuple[Recompute, ...]], list[tuple[float, ...]]] = {}
+
+    def stage_bytes(
+        self, loads: tuple[StageLoad, ...], recomputes: tuple[Recompute, ...], *, tp: int, sp: bool, pp: int, vpp: int, mbs: int, gas: int
+    ) -> dict[Recompute, tuple[float, ...]]:
+        """Per recompute mode, the activations on one device of each of ``loads`` (the stages of a ``pp``-stage pipeline), as :func:`stage_activation_bytes` gives them."""
+        per_sample = self._per_sample.get((pp, tp, sp, recomputes))
+        if per_sample is None:
+            per_sample = self._per_sample[(pp, tp, sp, recomputes)] = [
+                (r, tuple(mem.activation_bytes_per_sample(load, tp=tp, sp=sp, recompute=r) for load in loads)) for r in recomputes
+            ]
+        transient = self._transient.get((pp, tp, sp, mbs, recomputes))
+        if transient is None:
+            transient = self._transient[(pp, tp, sp, mbs, recomputes)] = [
+                tuple(mem.recompute_transient_bytes(load, tp=tp, sp=sp, recompute=r, mbs=mbs) for load in loads) for r in recomputes
+            ]
+        in_flight = self._in_flight.get((pp, vpp, gas))
+        if in_flight is None:
+            in_flight = self._in_flight[(pp, vpp, gas)] = tuple(mem.in_flight_microbatches(stage=load.index, pp=pp, vpp=vpp, gas=gas) for load in loads)
+        out = {}
+        for (r, row), extras in zip(per_sample, transient):
+            values = []
+            for bytes_per_sample, held, extra in zip(row, in_flight, extras):
+                values.append(bytes_per_sample * mbs * held + extra)
+            out[r] = tuple(values)
+        return out
+
+
 def stage_memory(model: ModelSpec, hw: Hardware, plan: Plan, load: StageLoad) -> mem.MemoryEstimate:
     """Memory of one device of one pipeline stage."""
     params, grads, optimizer, other, host = stage_state_bytes(
@@ -116,77 +161,201 @@ def memory_estimate(model: ModelSpec, hw: Hardware, plan: Plan) -> mem.MemoryEst
     return max((stage_memory(model, hw, plan, load) for load in loads), key=mem.MemoryEstimate.shortfall_bytes)
 
 
-@dataclass(frozen=True, slots=True)
-class _StageTime:
-    compute_s: float
-    tp_s: float
-    pp_s: float
-    dp_s: float
-
-    @property
-    def microbatch_s(self) -> float:
-        return self.compute_s + self.tp_s + self.pp_s
-
-
-def _stage_time(model: ModelSpec, hw: Hardware, plan: Plan, load: StageLoad, flops_per_s: float, links: dict[Axis, LinkSpec]) -> _StageTime:
-    fwd = tm.forward_s(load, mbs=plan.mbs, tp=plan.tp, flops_per_s=flops_per_s)
-    bwd = tm.backward_s(fwd) + tm.recompute_s(load, mbs=plan.mbs, tp=plan.tp, recompute=plan.recompute, flops_per_s=flops_per_s)
-    dp = tm.dp_comm_s(
-        load.params,
-        tp=plan.tp,
-        dp=plan.dp,
-        zero=plan.zero,
-        gas=plan.gas,
-        precision=model.precision,
-        link=links[Axis.DP],
-        forward_time_s=fwd,
-        backward_time_s=bwd,
-        overlap=hw.calibration.overlap,
-    )
-    return _StageTime(
-        compute_s=fwd + bwd,
-        tp_s=tm.tp_comm_s(load, mbs=plan.mbs, tp=plan.tp, recompute=plan.recompute, link=links[Axis.TP]),
-        pp_s=tm.pp_comm_s(load, mbs=plan.mbs, tp=plan.tp, sp=plan.sp, pp=plan.pp, vpp=plan.vpp, link=links[Axis.PP]),
-        dp_s=dp,
-    )
-
-
 def achieved_rate(model: ModelSpec, hw: Hardware, plan: Plan) -> float:
     """Matmul FLOP/s one device reaches at the plan's per-device GEMM size."""
-    dim = tm.gemm_dim(mbs=plan.mbs, seq_length=model.seq_length, hidden_size=model.hidden_size, tp=plan.tp)
+    return _matmul_rate(model, hw, mbs=plan.mbs, tp=plan.tp)
+
+
+def _matmul_rate(model: ModelSpec, hw: Hardware, *, mbs: int, tp: int) -> float:
+    dim = tm.gemm_dim(mbs=mbs, seq_length=model.seq_length, hidden_size=model.hidden_size, tp=tp)
     return tm.achieved_flops_per_s(hw.peak_flops_per_s, dim, hw.calibration)
+
+
+class TimeModel:
+    """:func:`time_estimate` and :func:`compute_bound_s` for many plans of one model on one hardware.
+
+    Plans of one search share most of the pieces of their step time: the stage loads of a pipeline
+    degree, the matmul rate of a micro-batch size, the links of a placement, and each stage's
+    compute, tensor-, pipeline- and data-parallel terms, which depend on a few plan fields each.
+    A TimeModel computes every piece once, keyed by exactly the fields it depends on, and adds
+    them up in the order the single-plan functions do (they are this class, used once), so a
+    plan's time is the same bit for bit however many plans were priced before it.
+
+    Mutable (its memo tables grow); one per search and hardware, not shared between threads.
+    """
+
+    __slots__ = ("_compute", "_dp", "_fwd", "_largest", "_least_step_overhead_s", "_links", "_loads", "_offload", "_overhead_s", "_rates", "_slowest", "hw", "model")
+
+    def __init__(self, model: ModelSpec, hw: Hardware) -> None:
+        self.model = model
+        """The model priced."""
+        self.hw = hw
+        """The hardware it is priced on."""
+        self._overhead_s: dict[tuple[int, int, Recompute], float] = {}
+        self._least_step_overhead_s = min(hw.calibration.step_overhead(zero) for zero in range(4))
+        self._loads: dict[int, tuple[StageLoad, ...]] = {}
+        self._largest: dict[int, StageLoad] = {}
+        self._rates: dict[tuple[int, int], float] = {}
+        self._links: dict[tuple[int, int, int, tuple[Axis, ...]], tuple[LinkSpec, LinkSpec, LinkSpec]] = {}
+        self._fwd: dict[tuple[int, int, int, int], float] = {}
+        self._compute: dict[tuple[int, int, int, int, Recompute], tuple[float, float]] = {}
+        self._slowest: dict[tuple[int, int, int, Recompute, bool, int, int, int], tuple[float, float, float, float]] = {}
+        self._dp: dict[tuple[int, int, int, int, int, int, Recompute, int], float] = {}
+        self._offload: dict[tuple[int, int, int, int, Offload], float] = {}
+
+    def loads(self, pp: int) -> tuple[StageLoad, ...]:
+        """:func:`stage_loads` of the model for ``pp`` stages."""
+        loads = self._loads.get(pp)
+        if loads is None:
+            loads = self._loads[pp] = stage_loads(self.model, pp)
+            self._largest[pp] = max(loads, key=lambda load: load.params)
+        return loads
+
+    def rate(self, mbs: int, tp: int) -> float:
+        """:func:`achieved_rate` of a plan with this micro-batch size and tensor-parallel degree."""
+        rate = self._rates.get((mbs, tp))
+        if rate is None:
+            rate = self._rates[(mbs, tp)] = _matmul_rate(self.model, self.hw, mbs=mbs, tp=tp)
+        return rate
+
+    def links(self, plan: Plan, order: tuple[Axis, ...]) -> tuple[LinkSpec, LinkSpec, LinkSpec]:
+        """The (dp, tp, pp) links of ``plan``'s layout placed in ``order``."""
+        key = (plan.dp, plan.tp, plan.pp, order)
+        links = self._links.get(key)
+        if links is None:
+            placed = plan if order == plan.order else Plan(dp=plan.dp, tp=plan.tp, pp=plan.pp, order=order)
+            links = self._links[key] = (self.hw.link(placed, Axis.DP), self.hw.link(placed, Axis.TP), self.hw.link(placed, Axis.PP))
+        return links
+
+    def forward_s(self, pp: int, load: StageLoad, mbs: int, tp: int) -> float:
+        """Forward compute of one micro-batch on one device of a stage (:func:`time.forward_s`)."""
+        key = (pp, load.index, mbs, tp)
+        fwd = self._fwd.get(key)
+        if fwd is None:
+            fwd = self._fwd[key] = tm.forward_s(load, mbs=mbs, tp=tp, flops_per_s=self.rate(mbs, tp))
+        return fwd
+
+    def time(self, plan: Plan, order: tuple[Axis, ...] | None = None) -> tm.TimeEstimate:
+        """Step time of ``plan`` (placed in ``order`` when given): the slowest stage paces the pipeline; the slowest data-parallel group ends the step."""
+        dp_link, tp_link, pp_link = self.links(plan, plan.order if order is None else order)
+        gas, overhead_s = plan.gas, self.microbatch_overhead_s(plan.zero, plan.pp, plan.recompute)
+        key = (plan.pp, plan.mbs, plan.tp, plan.recompute, plan.sp, plan.vpp, id(tp_link), id(pp_link))
+        slowest = self._slowest.get(key)
+        if slowest is None:
+            slowest = self._slowest[key] = self._slowest_stage(plan, tp_link, pp_link)
+        key = (plan.pp, plan.mbs, plan.tp, plan.dp, plan.zero, gas, plan.recompute, id(dp_link))
+        dp_s = self._dp.get(key)
+        if dp_s is None:
+            dp_s = self._dp[key] = max(self._stage_dp_s(load, plan, dp_link) for load in self.loads(plan.pp))
+        microbatch_s = slowest[0] + overhead_s
+        return tm.TimeEstimate(
+            compute_s=gas * slowest[1],
+            tp_comm_s=gas * slowest[2],
+            pp_comm_s=gas * slowest[3],
+            dp_comm_s=dp_s,
+            bubble_s=tm.bubble_s(microbatch_s, pp=plan.pp, vpp=plan.vpp),
+            offload_s=self._offload_s(plan),
+            optimizer_s=self._optimizer_s(plan),
+            overhead_s=gas * overhead_s + self.hw.calibration.step_overhead(plan.zero),
+        )
+
+    def compute_bound(self, *, tp: int, pp: int, vpp: int, mbs: int, gas: int) -> float:
+        """:func:`compute_bound_s` of a plan with these fields (the only ones it depends on)."""
+        fwd = max(self.forward_s(pp, load, mbs, tp) for load in self.loads(pp))
+        microbatch_s = fwd + tm.backward_s(fwd) + min(self.microbatch_overhead_s(zero, pp, Recompute.NONE) for zero in range(4))
+        return gas * microbatch_s + tm.bubble_s(microbatch_s, pp=pp, vpp=vpp) + self._least_step_overhead_s
+
+    def microbatch_overhead_s(self, zero: int, pp: int, recompute: Recompute) -> float:
+        """:func:`time.microbatch_overhead_s` of one device of a ``pp``-stage pipeline (its share of the operators and
+        parameter tensors); recomputation repeats the share of the forward FLOPs it recomputes."""
+        key = (zero, pp, recompute)
+        seconds = self._overhead_s.get(key)
+        if seconds is None:
+            model = self.model
+            total = sum(b.flops * b.count for b in model.blocks)
+            redone = hardware_flops_per_sample(model, recompute) - 3.0 * model.flops_per_sample
+            seconds = self._overhead_s[key] = tm.microbatch_overhead_s(
+                model.forward_ops / pp, self.hw.calibration, zero, param_tensors=model.param_tensors / pp,
+                recomputed=redone / total if total else 0.0,
+            )
+        return seconds
+
+    def _stage_compute(self, pp: int, load: StageLoad, mbs: int, tp: int, recompute: Recompute) -> tuple[float, float]:
+        """Forward and backward (with recomputation) of one micro-batch on one device of a stage."""
+        key = (pp, load.index, mbs, tp, recompute)
+        pair = self._compute.get(key)
+        if pair is None:
+            fwd = self.forward_s(pp, load, mbs, tp)
+            bwd = tm.backward_s(fwd) + tm.recompute_s(load, mbs=mbs, tp=tp, recompute=recompute, flops_per_s=self.rate(mbs, tp))
+            pair = self._compute[key] = (fwd, bwd)
+        return pair
+
+    def _slowest_stage(self, plan: Plan, tp_link: LinkSpec, pp_link: LinkSpec) -> tuple[float, float, float, float]:
+        """(micro-batch, compute, tp, pp) seconds of the stage with the longest micro-batch (the first of equally slow ones, as max() picks)."""
+        pp, mbs, tp = plan.pp, plan.mbs, plan.tp
+        slowest = None
+        for load in self.loads(pp):
+            fwd, bwd = self._stage_compute(pp, load, mbs, tp, plan.recompute)
+            compute_s = fwd + bwd
+            tp_s = tm.tp_comm_s(load, mbs=mbs, tp=tp, recompute=plan.recompute, link=tp_link)
+            pp_s = tm.pp_comm_s(load, mbs=mbs, tp=tp, sp=plan.sp, pp=pp, vpp=plan.vpp, link=pp_link)
+            microbatch_s = compute_s + tp_s + pp_s
+            if slowest is None or microbatch_s > slowest[0]:
+                slowest = (microbatch_s, compute_s, tp_s, pp_s)
+        assert slowest is not None  # a pipeline has at least one stage
+        return slowest
+
+    def _stage_dp_s(self, load: StageLoad, plan: Plan, link: LinkSpec) -> float:
+        """Exposed data-parallel communication of one stage."""
+        fwd, bwd = self._stage_compute(plan.pp, load, plan.mbs, plan.tp, plan.recompute)
+        return tm.dp_comm_s(
+            load.params,
+            tp=plan.tp,
+            dp=plan.dp,
+            zero=plan.zero,
+            gas=plan.gas,
+            precision=self.model.precision,
+            link=link,
+            forward_time_s=fwd,
+            backward_time_s=bwd,
+            overlap=self.hw.calibration.overlap,
+        )
+
+    def _optimizer_s(self, plan: Plan) -> float:
+        """The device optimizer step of the stage holding the most parameters."""
+        self.loads(plan.pp)
+        return tm.optimizer_step_s(
+            self._largest[plan.pp].params,
+            tp=plan.tp,
+            dp=plan.dp,
+            zero=plan.zero,
+            offload=plan.offload,
+            adam_params_per_s=self.hw.calibration.adam_params_per_s,
+        )
+
+    def _offload_s(self, plan: Plan) -> float:
+        key = (plan.pp, plan.tp, plan.dp, plan.gas, plan.offload)
+        seconds = self._offload.get(key)
+        if seconds is None:
+            self.loads(plan.pp)
+            hw = self.hw
+            seconds = self._offload[key] = tm.offload_s(
+                self._largest[plan.pp].params,
+                tp=plan.tp,
+                dp=plan.dp,
+                gas=plan.gas,
+                offload=plan.offload,
+                precision=self.model.precision,
+                pcie_GBps=hw.pcie_GBps,
+                cpu_adam_params_per_s=hw.calibration.cpu_adam_params_per_s,
+                devices_per_node=hw.devices_per_node,
+            )
+        return seconds
 
 
 def time_estimate(model: ModelSpec, hw: Hardware, plan: Plan) -> tm.TimeEstimate:
     """Step time: the slowest stage paces the pipeline; the slowest data-parallel group ends the step."""
-    rate = achieved_rate(model, hw, plan)
-    links = {axis: hw.link(plan, axis) for axis in Axis}
-    loads = stage_loads(model, plan.pp)
-    stages = [_stage_time(model, hw, plan, load, rate, links) for load in loads]
-    slowest = max(stages, key=lambda s: s.microbatch_s)
-    calib = hw.calibration
-    overhead_s = tm.microbatch_overhead_s(model.forward_ops, calib)
-    microbatch_s = slowest.microbatch_s + overhead_s
-    largest = max(loads, key=lambda load: load.params)
-    return tm.TimeEstimate(
-        compute_s=plan.gas * slowest.compute_s,
-        tp_comm_s=plan.gas * slowest.tp_s,
-        pp_comm_s=plan.gas * slowest.pp_s,
-        dp_comm_s=max(s.dp_s for s in stages),
-        bubble_s=tm.bubble_s(microbatch_s, pp=plan.pp, vpp=plan.vpp),
-        offload_s=tm.offload_s(
-            largest.params,
-            tp=plan.tp,
-            dp=plan.dp,
-            gas=plan.gas,
-            offload=plan.offload,
-            precision=model.precision,
-            pcie_GBps=hw.pcie_GBps,
-            cpu_adam_params_per_s=calib.cpu_adam_params_per_s,
-            devices_per_node=hw.devices_per_node,
-        ),
-        overhead_s=plan.gas * overhead_s + calib.step_overhead_s,
-    )
+    return TimeModel(model, hw).time(plan)
 
 
 def compute_bound_s(model: ModelSpec, hw: Hardware, plan: Plan) -> float:
@@ -195,10 +364,7 @@ def compute_bound_s(model: ModelSpec, hw: Hardware, plan: Plan) -> float:
     Forward and backward of the slowest stage with every communication free, plus the bubble and
     the fixed overheads: each term of :func:`time_estimate` is at least this large.
     """
-    rate = achieved_rate(model, hw, plan)
-    fwd = max(tm.forward_s(load, mbs=plan.mbs, tp=plan.tp, flops_per_s=rate) for load in stage_loads(model, plan.pp))
-    microbatch_s = fwd + tm.backward_s(fwd) + tm.microbatch_overhead_s(model.forward_ops, hw.calibration)
-    return plan.gas * microbatch_s + tm.bubble_s(microbatch_s, pp=plan.pp, vpp=plan.vpp) + hw.calibration.step_overhead_s
+    return TimeModel(model, hw).compute_bound(tp=plan.tp, pp=plan.pp, vpp=plan.vpp, mbs=plan.mbs, gas=plan.gas)
 
 
 def hardware_flops_per_sample(model: ModelSpec, recompute: Recompute) -> float:

@@ -129,9 +129,11 @@ class ModelSpec:
     """Parameters shared by the first pre block and the last post block (tied embeddings): stored once when both sit on one stage."""
     forward_ops: int = 0
     """Operators one forward pass of a micro-batch dispatches (measured by profiling; 0 when unknown)."""
+    param_tensors: int = 0
+    """Parameter tensors of the whole model (ZeRO's per-parameter hooks cost time per tensor; 0 when unknown)."""
 
     def __post_init__(self) -> None:
-        require_non_negative("model.", forward_ops=self.forward_ops)
+        require_non_negative("model.", forward_ops=self.forward_ops, param_tensors=self.param_tensors)
         require_positive(
             "model.",
             hidden_size=self.hidden_size,

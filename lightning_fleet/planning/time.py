@@ -19,8 +19,9 @@ from lightning_fleet.planning.stages import StageLoad
 
 
 def gemm_dim(*, mbs: int, seq_length: int, hidden_size: int, tp: int) -> float:
-    """Smallest GEMM dimension one device sees: tokens per micro-batch, or the hidden size split by tp."""
-    return min(mbs * seq_length, hidden_size / tp)
+    """Edge of the cube with the volume of one device's typical layer GEMM, [tokens x h] @ [h x h/tp]: the size the
+    square-matmul microbenchmark measured at that efficiency (all three dimensions matter, most on small GEMMs)."""
+    return (mbs * seq_length * hidden_size * hidden_size / tp) ** (1.0 / 3.0)
 
 
 def achieved_flops_per_s(peak_flops_per_s: float, dim: float, calibration: Calibration) -> float:
@@ -71,9 +72,25 @@ def bubble_s(microbatch_s: float, *, pp: int, vpp: int) -> float:
     return (pp - 1) / vpp * microbatch_s
 
 
-def microbatch_overhead_s(forward_ops: int, calibration: Calibration) -> float:
-    """Framework time of one micro-batch: a fixed part plus every operator's dispatch, forward and backward (~2x the forward's operators)."""
-    return calibration.microbatch_overhead_s + 3 * forward_ops * calibration.op_overhead_s
+def microbatch_overhead_s(
+    forward_ops: float, calibration: Calibration, zero: int = 0, param_tensors: float = 0, recomputed: float = 0.0
+) -> float:
+    """Framework time of one micro-batch on one device: a fixed part, ZeRO's per-parameter-tensor hooks, and every
+    operator's dispatch, forward and backward (~2x the forward's operators).
+
+    ``recomputed`` is the share of the forward that recomputation runs again: its operators are
+    dispatched once more and, under ZeRO-3, its parameters gathered and released once more (half
+    again the forward + backward hooks).
+    """
+    hooked = param_tensors * (1 + recomputed / 2) if zero == 3 else param_tensors
+    return calibration.microbatch_overhead(zero, hooked) + (3 + recomputed) * forward_ops * calibration.op_overhead_s
+
+
+def optimizer_step_s(n: float, *, tp: int, dp: int, zero: int, offload: Offload, adam_params_per_s: float) -> float:
+    """The device's Adam step over the parameters it updates: all of its tp shard at ZeRO-0, its 1/dp partition from ZeRO-1 on; none when offloaded (the host steps: :func:`offload_s`)."""
+    if offload is not Offload.NONE:
+        return 0.0
+    return n / tp / (dp if zero >= 1 else 1) / adam_params_per_s
 
 
 def exposed_s(comm_s: float, window_s: float, overlap: float) -> float:
@@ -154,6 +171,8 @@ class TimeEstimate:
     """Pipeline fill and drain."""
     offload_s: float
     """Host transfers and CPU optimizer step."""
+    optimizer_s: float = 0.0
+    """The device's own optimizer step (not offloaded)."""
     overhead_s: float
     """Fixed framework time per step and per micro-batch (calibrated)."""
 
@@ -161,7 +180,8 @@ class TimeEstimate:
     def step_s(self) -> float:
         """Predicted time of one optimizer step."""
         return (
-            self.compute_s + self.tp_comm_s + self.pp_comm_s + self.dp_comm_s + self.bubble_s + self.offload_s + self.overhead_s
+            self.compute_s + self.tp_comm_s + self.pp_comm_s + self.dp_comm_s + self.bubble_s + self.offload_s + self.optimizer_s
+            + self.overhead_s
         )
 
     def terms(self) -> dict[str, float]:
@@ -173,6 +193,7 @@ class TimeEstimate:
             "dp communication": self.dp_comm_s,
             "pipeline bubble": self.bubble_s,
             "offload": self.offload_s,
+            "optimizer step": self.optimizer_s,
             "framework overhead": self.overhead_s,
         }
 
@@ -190,5 +211,6 @@ class TimeEstimate:
             "dp_comm_s": self.dp_comm_s,
             "bubble_s": self.bubble_s,
             "offload_s": self.offload_s,
+            "optimizer_s": self.optimizer_s,
             "overhead_s": self.overhead_s,
         }
