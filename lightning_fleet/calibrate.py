@@ -203,6 +203,8 @@ class FrameworkOverheads:
     """Per micro-batch beyond its operators' dispatch (engine forward/backward wrappers, ZeRO hooks), for the probe."""
     probe_tensors: int
     """Parameter tensors of the probe (ZeRO's extra per-micro-batch time is taken to scale with them)."""
+    offload_microbatch_s: tuple[float, float]
+    """Extra per micro-batch of optimizer offload (ZeRO-2) and of optimizer + parameter offload (ZeRO-3), for the probe."""
 
 
 def framework_overheads(cluster: ClusterSpec, *, steps: int = 8, warmup: int = 2, accumulation: int = 4) -> FrameworkOverheads:
@@ -242,9 +244,9 @@ def framework_overheads(cluster: ClusterSpec, *, steps: int = 8, warmup: int = 2
         def on_train_batch_end(self, *args, **kwargs):  # type: ignore[no-untyped-def]
             self.ends.append(time.perf_counter())
 
-    def median_step(zero: int, gas: int) -> float:
+    def median_step(zero: int, gas: int, offload: str = "none") -> float:
         clock = Clock()
-        plan = f"dp={world},zero={zero},mbs=1,gas={gas}"
+        plan = f"dp={world},zero={zero},mbs=1,gas={gas},offload={offload}"
         trainer = Trainer(accelerator=cluster_device(), devices=1, strategy=FleetStrategy(plan=plan, cluster=cluster, global_batch_size=world * gas),
                           max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                           num_sanity_val_steps=0, limit_val_batches=0, callbacks=[clock])
@@ -265,7 +267,12 @@ def framework_overheads(cluster: ClusterSpec, *, steps: int = 8, warmup: int = 2
         per_micro = max((many - one) / (accumulation - 1) - probe_ops_s, 0.0)
         micro.append(per_micro)
         step.append(max(one - per_micro - probe_ops_s, 0.0))
-    return FrameworkOverheads(step_s=tuple(step), microbatch_s=tuple(micro), probe_tensors=2 * PROBE_LAYERS)
+    # offload: the whole extra step time of the probe (host copies and bookkeeping per parameter tensor), per
+    # micro-batch, against the same stage without offload; the model prices its bytes and host Adam separately
+    offloaded = (median_step(2, accumulation, "optimizer") - median_step(2, accumulation)) / accumulation
+    params = (median_step(3, accumulation, "optimizer+params") - median_step(3, accumulation)) / accumulation
+    return FrameworkOverheads(step_s=tuple(step), microbatch_s=tuple(micro), probe_tensors=2 * PROBE_LAYERS,
+                              offload_microbatch_s=(max(offloaded, 0.0), max(params, 0.0)))
 
 
 def _max_across_ranks(value: float) -> float:
@@ -318,6 +325,7 @@ def with_framework_overheads(cluster: ClusterSpec) -> ClusterSpec:
         zero_step_overhead_s=tuple(float(f"{max(v - base_step, 0.0):.3g}") for v in measured.step_s),
         # ZeRO's extra time per micro-batch comes from per-parameter hooks: per tensor of the probe
         zero_tensor_overhead_s=tuple(float(f"{max(v - base_micro, 0.0) / measured.probe_tensors:.3g}") for v in measured.microbatch_s),
+        offload_tensor_overhead_s=tuple(float(f"{v / measured.probe_tensors:.3g}") for v in measured.offload_microbatch_s),
     )
     return cluster.with_calibration(calibration)
 

@@ -396,5 +396,12 @@ def test_step_overhead_by_zero_stage() -> None:
 def test_zero_tables_need_four_non_negative_values(values) -> None:
     from lightning_fleet.planning import SpecError
 
-    with pytest.raises(SpecError, match="zero_tensor_overhead_s must be four non-negative seconds"):
+    with pytest.raises(SpecError, match="zero_tensor_overhead_s must be 4 non-negative seconds"):
         Calibration(zero_tensor_overhead_s=values)
+
+
+def test_offload_adds_its_per_tensor_overhead() -> None:
+    """Optimizer offload: + 0.2 ms per tensor; optimizer + parameter offload: + 0.6 ms (40 tensors, ZeRO-3 0.5 ms each)."""
+    calibration = Calibration(zero_tensor_overhead_s=(0.0, 0.0, 0.0, 0.0005), offload_tensor_overhead_s=(0.0002, 0.0006))
+    assert microbatch_overhead_s(0, calibration, 3, param_tensors=40, offload=Offload.OPTIMIZER) == pytest.approx(40 * 0.0007, rel=REL)
+    assert microbatch_overhead_s(0, calibration, 3, param_tensors=40, offload=Offload.OPTIMIZER_PARAMS) == pytest.approx(40 * 0.0011, rel=REL)

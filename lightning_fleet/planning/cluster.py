@@ -144,6 +144,9 @@ class Calibration:
     zero_tensor_overhead_s: tuple[float, ...] = ()
     """Extra framework time per micro-batch and per parameter tensor at ZeRO stage 0, 1, 2, 3 (DeepSpeed's
     per-parameter hooks: gradient reduction, ZeRO-3's gather and release), four values or empty, in seconds."""
+    offload_tensor_overhead_s: tuple[float, ...] = ()
+    """Extra framework time per micro-batch and per parameter tensor of optimizer offload and of optimizer +
+    parameter offload (DeepSpeed's per-parameter host copies and bookkeeping), two values or empty, in seconds."""
     adam_params_per_s: float = 5.0e10
     """Parameters per second the device's own Adam step updates (memory-bound: ~32 bytes moved per parameter;
     5e10/s is an A100's ~1.6 TB/s). The step of an offloaded optimizer runs on the host instead."""
@@ -158,9 +161,12 @@ class Calibration:
         """Framework seconds per optimizer step at this ZeRO stage."""
         return self.step_overhead_s + (self.zero_step_overhead_s[zero] if self.zero_step_overhead_s else 0.0)
 
-    def microbatch_overhead(self, zero: int, param_tensors: int) -> float:
-        """Framework seconds per micro-batch at this ZeRO stage for a device holding ``param_tensors`` parameter tensors, beyond its operators' dispatch."""
+    def microbatch_overhead(self, zero: int, param_tensors: float, offload_level: int = 0) -> float:
+        """Framework seconds per micro-batch at this ZeRO stage and offload level (0 none, 1 optimizer, 2 optimizer +
+        parameters) for a device holding ``param_tensors`` parameter tensors, beyond its operators' dispatch."""
         per_tensor = self.zero_tensor_overhead_s[zero] if self.zero_tensor_overhead_s else 0.0
+        if offload_level and self.offload_tensor_overhead_s:
+            per_tensor += self.offload_tensor_overhead_s[offload_level - 1]
         return self.microbatch_overhead_s + per_tensor * param_tensors
 
     def __post_init__(self) -> None:
@@ -170,10 +176,11 @@ class Calibration:
             cpu_adam_params_per_s=self.cpu_adam_params_per_s,
             adam_params_per_s=self.adam_params_per_s,
         )
-        for name in ("zero_step_overhead_s", "zero_tensor_overhead_s"):
+        for name, count, what in (("zero_step_overhead_s", 4, "ZeRO stages 0-3"), ("zero_tensor_overhead_s", 4, "ZeRO stages 0-3"),
+                                  ("offload_tensor_overhead_s", 2, "optimizer, optimizer+params")):
             values = getattr(self, name)
-            if len(values) not in (0, 4) or any(v < 0 for v in values):
-                raise SpecError(f"calibration.{name} must be four non-negative seconds (ZeRO stages 0-3) or left out, got {list(values)}")
+            if len(values) not in (0, count) or any(v < 0 for v in values):
+                raise SpecError(f"calibration.{name} must be {count} non-negative seconds ({what}) or left out, got {list(values)}")
         require_non_negative(
             "calibration.",
             matmul_half_dim=self.matmul_half_dim,

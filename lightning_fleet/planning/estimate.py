@@ -191,7 +191,7 @@ class TimeModel:
         """The model priced."""
         self.hw = hw
         """The hardware it is priced on."""
-        self._overhead_s: dict[tuple[int, int, Recompute], float] = {}
+        self._overhead_s: dict[tuple[int, int, Recompute, Offload], float] = {}
         self._least_step_overhead_s = min(hw.calibration.step_overhead(zero) for zero in range(4))
         self._loads: dict[int, tuple[StageLoad, ...]] = {}
         self._largest: dict[int, StageLoad] = {}
@@ -238,7 +238,7 @@ class TimeModel:
     def time(self, plan: Plan, order: tuple[Axis, ...] | None = None) -> tm.TimeEstimate:
         """Step time of ``plan`` (placed in ``order`` when given): the slowest stage paces the pipeline; the slowest data-parallel group ends the step."""
         dp_link, tp_link, pp_link = self.links(plan, plan.order if order is None else order)
-        gas, overhead_s = plan.gas, self.microbatch_overhead_s(plan.zero, plan.pp, plan.recompute)
+        gas, overhead_s = plan.gas, self.microbatch_overhead_s(plan.zero, plan.pp, plan.recompute, plan.offload)
         key = (plan.pp, plan.mbs, plan.tp, plan.recompute, plan.sp, plan.vpp, id(tp_link), id(pp_link))
         slowest = self._slowest.get(key)
         if slowest is None:
@@ -262,13 +262,13 @@ class TimeModel:
     def compute_bound(self, *, tp: int, pp: int, vpp: int, mbs: int, gas: int) -> float:
         """:func:`compute_bound_s` of a plan with these fields (the only ones it depends on)."""
         fwd = max(self.forward_s(pp, load, mbs, tp) for load in self.loads(pp))
-        microbatch_s = fwd + tm.backward_s(fwd) + min(self.microbatch_overhead_s(zero, pp, Recompute.NONE) for zero in range(4))
+        microbatch_s = fwd + tm.backward_s(fwd) + min(self.microbatch_overhead_s(zero, pp, Recompute.NONE, Offload.NONE) for zero in range(4))
         return gas * microbatch_s + tm.bubble_s(microbatch_s, pp=pp, vpp=vpp) + self._least_step_overhead_s
 
-    def microbatch_overhead_s(self, zero: int, pp: int, recompute: Recompute) -> float:
+    def microbatch_overhead_s(self, zero: int, pp: int, recompute: Recompute, offload: Offload) -> float:
         """:func:`time.microbatch_overhead_s` of one device of a ``pp``-stage pipeline (its share of the operators and
         parameter tensors); recomputation repeats the share of the forward FLOPs it recomputes."""
-        key = (zero, pp, recompute)
+        key = (zero, pp, recompute, offload)
         seconds = self._overhead_s.get(key)
         if seconds is None:
             model = self.model
@@ -276,7 +276,7 @@ class TimeModel:
             redone = hardware_flops_per_sample(model, recompute) - 3.0 * model.flops_per_sample
             seconds = self._overhead_s[key] = tm.microbatch_overhead_s(
                 model.forward_ops / pp, self.hw.calibration, zero, param_tensors=model.param_tensors / pp,
-                recomputed=redone / total if total else 0.0,
+                recomputed=redone / total if total else 0.0, offload=offload,
             )
         return seconds
 

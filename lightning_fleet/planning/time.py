@@ -73,17 +73,23 @@ def bubble_s(microbatch_s: float, *, pp: int, vpp: int) -> float:
 
 
 def microbatch_overhead_s(
-    forward_ops: float, calibration: Calibration, zero: int = 0, param_tensors: float = 0, recomputed: float = 0.0
+    forward_ops: float,
+    calibration: Calibration,
+    zero: int = 0,
+    param_tensors: float = 0,
+    recomputed: float = 0.0,
+    offload: Offload = Offload.NONE,
 ) -> float:
     """Framework time of one micro-batch on one device: a fixed part, ZeRO's per-parameter-tensor hooks, and every
     operator's dispatch, forward and backward (~2x the forward's operators).
 
     ``recomputed`` is the share of the forward that recomputation runs again: its operators are
     dispatched once more and, under ZeRO-3, its parameters gathered and released once more (half
-    again the forward + backward hooks).
+    again the forward + backward hooks). Offload adds its per-tensor host copies and bookkeeping.
     """
     hooked = param_tensors * (1 + recomputed / 2) if zero == 3 else param_tensors
-    return calibration.microbatch_overhead(zero, hooked) + (3 + recomputed) * forward_ops * calibration.op_overhead_s
+    level = (Offload.NONE, Offload.OPTIMIZER, Offload.OPTIMIZER_PARAMS).index(offload)
+    return calibration.microbatch_overhead(zero, hooked, level) + (3 + recomputed) * forward_ops * calibration.op_overhead_s
 
 
 def optimizer_step_s(n: float, *, tp: int, dp: int, zero: int, offload: Offload, adam_params_per_s: float) -> float:
