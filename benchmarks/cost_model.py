@@ -121,10 +121,10 @@ def _env() -> dict[str, str]:
     return env
 
 
-def calibrate(world: int, timeout_s: float) -> Path:
+def calibrate(world: int, timeout_s: float, device: str = "cpu") -> Path:
     """Run ``fleet calibrate`` for ``world`` processes; returns the cluster file."""
-    path = OUT / f"cluster-{world}.yaml"
-    cmd = [sys.executable, "-m", "lightning_fleet", "calibrate", f"--nproc-per-node={world}", "--out", str(path)]
+    path = OUT / f"cluster-{device}-{world}.yaml"
+    cmd = [sys.executable, "-m", "lightning_fleet", "calibrate", f"--nproc-per-node={world}", "--device", device, "--out", str(path)]
     subprocess.run(cmd, check=True, env=_env(), cwd=ROOT, timeout=timeout_s)
     return path
 
@@ -138,7 +138,7 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def run_all(world: int, plans: list[tuple[str, str]], cluster: Path, *, steps: int, warmup: int, timeout_s: float) -> list[dict]:
+def run_all(world: int, plans: list[tuple[str, str]], cluster: Path, *, steps: int, warmup: int, timeout_s: float, device: str) -> list[dict]:
     """Train every (size, plan) on ``world`` processes forked from this one; each record is also appended to out/."""
     from benchmarks.cost_model_worker import run_forked
 
@@ -146,7 +146,7 @@ def run_all(world: int, plans: list[tuple[str, str]], cluster: Path, *, steps: i
     out.unlink(missing_ok=True)
     records = []
     for i, (size, plan) in enumerate(plans, 1):
-        record = run_forked(size, plan, str(cluster), world=world, steps=steps, warmup=warmup, timeout_s=timeout_s, port=free_port())
+        record = run_forked(size, plan, str(cluster), world=world, steps=steps, warmup=warmup, timeout_s=timeout_s, port=free_port(), device=device)
         records.append(record)
         with open(out, "a") as f:
             f.write(json.dumps(record) + "\n")
@@ -181,9 +181,15 @@ def model_spec(size: str):
     return profile_module(GPT(**shape), example, global_batch_size=GLOBAL_BATCH, name=f"GPT {size}")
 
 
-def predict_all(worlds: list[int], clusters: dict[int, Path]) -> tuple[list[Predicted], dict[tuple[str, int], str]]:
-    """Every executable plan's prediction, and the planner's choice per (size, world)."""
+def predict_all(worlds: list[int], clusters: dict[int, Path], device: str) -> tuple[list[Predicted], dict[tuple[str, int], str]]:
+    """Every executable plan's prediction, and the planner's choice per (size, world).
+
+    The memory compared with the measurement: on CPU the whole process (device and host memory are
+    the same RAM, the runtime reserve is the calibrated baseline of a process with the framework
+    loaded); on a GPU what the allocator hands out (the device total without the runtime reserve).
+    """
     from lightning_fleet.planning import estimate, load_cluster, parse_plan
+    from lightning_fleet.planning.memory import reserve_bytes
     from lightning_fleet.planning import plan as search
     from lightning_fleet.runtime.deepspeed_config import runtime_constraints
 
@@ -194,7 +200,9 @@ def predict_all(worlds: list[int], clusters: dict[int, Path]) -> tuple[list[Pred
             cluster = load_cluster(str(clusters[world]))
             for text in executable_plans(world, num_layers=shape["num_layers"], num_heads=shape["num_heads"], global_batch=GLOBAL_BATCH):
                 e = estimate(spec, cluster, parse_plan(text, global_batch_size=GLOBAL_BATCH))
-                predictions.append(Predicted(size, world, str(e.plan), e.time.step_s, e.memory.total_bytes + e.memory.host_bytes, e.memory.fits))
+                memory = e.memory.total_bytes + e.memory.host_bytes if device == "cpu" else e.memory.total_bytes - reserve_bytes(
+                    e.memory.limit_bytes, cluster.calibration)
+                predictions.append(Predicted(size, world, str(e.plan), e.time.step_s, memory, e.memory.fits))
             constraints = runtime_constraints(has_tensor_parallel=True, has_pipeline=True, has_layers=True)
             chosen[(size, world)] = str(search(spec, cluster, constraints=constraints).best.plan)
     return predictions, chosen
@@ -207,7 +215,8 @@ def _fmt_gib(nbytes: float) -> str:
     return f"{nbytes / GIB:.3f}"
 
 
-def write_report(rows: list[dict], chosen: dict[tuple[str, int], str], clusters: dict[int, Path], command: str, seconds: float) -> str:
+def write_report(rows: list[dict], chosen: dict[tuple[str, int], str], clusters: dict[int, Path], command: str, seconds: float,
+                 machine: str) -> str:
     """RESULTS.md text from the joined predicted/measured rows."""
     ok = [r for r in rows if not r["error"] and math.isfinite(r["measured_step_s"])]
     failed = [r for r in rows if r not in ok]
@@ -217,7 +226,7 @@ def write_report(rows: list[dict], chosen: dict[tuple[str, int], str], clusters:
         "# Cost model against reality",
         "",
         f"Command: `{command}` ({seconds / 60:.1f} min, {time.strftime('%Y-%m-%d')}).",
-        f"Machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, CPU only (gloo); "
+        f"Machine: {machine}, {os.cpu_count()} cores, Python {platform.python_version()}; "
         f"example GPT (vocabulary 256) at global batch {GLOBAL_BATCH}.",
         "",
         "## Overall",
@@ -228,7 +237,7 @@ def write_report(rows: list[dict], chosen: dict[tuple[str, int], str], clusters:
         lines += [
             f"- step time: median relative error **{statistics.median(time_err):.1%}**, worst **{max(time_err):.1%}** (targets 15 % / 35 %)",
             f"- Spearman rank correlation of predicted vs measured step time, all plans: **{spearman([r['predicted_step_s'] for r in ok], [r['measured_step_s'] for r in ok]):.3f}** (target 0.9)",
-            f"- peak memory (resident set): median relative error **{statistics.median(mem_err):.1%}**, worst **{max(mem_err):.1%}** (target 15 %)",
+            f"- peak memory ({'resident set' if 'CPU' in machine else 'max_memory_allocated'}): median relative error **{statistics.median(mem_err):.1%}**, worst **{max(mem_err):.1%}** (target 15 %)",
         ]
     lines += ["", "Per model size and world size:", "", "| size | world | plans | median err | worst err | Spearman | planner's choice | its measured step | best measured | regret |", "|---|---|---|---|---|---|---|---|---|---|"]
     for (size, world), choice in chosen.items():
@@ -246,6 +255,11 @@ def write_report(rows: list[dict], chosen: dict[tuple[str, int], str], clusters:
             if mine
             else f"| {size} | {world} | {len(group)} | {statistics.median(errs):.1%} | {max(errs):.1%} | - | `{_short(choice)}` | - | - | {reg} |"
         )
+    speed = ROOT / "benchmarks" / "PLANNING_SPEED.md"
+    if speed.is_file():
+        table = [line for line in speed.read_text().splitlines() if line.startswith("|")]
+        lines += ["", "## Planner scaling", "", "Planning time of the full search (from `benchmarks/PLANNING_SPEED.md`, "
+                  "`.venv/bin/python benchmarks/planning_speed.py`):", "", *table]
     lines += ["", "## Calibrated constants (from `fleet calibrate`'s microbenchmarks only)", ""]
     for world, path in clusters.items():
         lines += [f"World {world} (`{path.relative_to(ROOT)}`):", "", "```yaml", path.read_text().strip(), "```", ""]
@@ -266,7 +280,7 @@ def _short(plan: str) -> str:
     return plan.replace(",sp=false,vpp=1", "")
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def plot(rows: list[dict], path: Path, machine: str) -> None:
     """Scatter of predicted vs measured step time, one colour per (size, world)."""
     import matplotlib
 
@@ -286,7 +300,7 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.set_yscale("log")
     ax.set_xlabel("measured step time (s)")
     ax.set_ylabel("predicted step time (s)")
-    ax.set_title("lightning_fleet cost model vs reality (CPU, gloo)")
+    ax.set_title(f"lightning_fleet cost model vs reality ({machine})", fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path)
@@ -296,31 +310,38 @@ def plot(rows: list[dict], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--worlds", default="1,2", help="world sizes (processes on this machine)")
-    parser.add_argument("--steps", type=int, default=5, help="optimizer steps per plan")
-    parser.add_argument("--warmup", type=int, default=1, help="steps not timed")
+    parser.add_argument("--steps", type=int, default=8, help="optimizer steps per plan")
+    parser.add_argument("--warmup", type=int, default=2, help="steps not timed")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: one GPU, nccl (benchmarks/gpu_check.sh)")
     parser.add_argument("--every", type=int, default=1, help="run every n-th plan only (a quick look; RESULTS.md is from --every 1)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "RESULTS.md"))
     args = parser.parse_args()
     started = time.perf_counter()
     OUT.mkdir(parents=True, exist_ok=True)
     worlds = [int(w) for w in args.worlds.split(",")]
-    clusters = {w: calibrate(w, timeout_s=600) for w in worlds}
-    predictions, chosen = predict_all(worlds, clusters)
+    clusters = {w: calibrate(w, timeout_s=600, device=args.device) for w in worlds}
+    predictions, chosen = predict_all(worlds, clusters, args.device)
     rows = []
     for world in worlds:
         todo = [p for p in predictions if p.world == world and p.fits][:: args.every]
-        measured = run_all(world, [(p.size, p.plan) for p in todo], clusters[world], steps=args.steps, warmup=args.warmup, timeout_s=180)
+        measured = run_all(world, [(p.size, p.plan) for p in todo], clusters[world], steps=args.steps, warmup=args.warmup, timeout_s=180,
+                           device=args.device)
         by_key = {(m["size"], m["plan"]): m for m in measured}
         for p in todo:
             m = by_key.get((p.size, p.plan), {"measured_step_s": float("nan"), "measured_peak_bytes": float("nan"), "error": "no record (worker stopped)"})
             rows.append({**m, "size": p.size, "world": world, "plan": p.plan, "predicted_step_s": p.step_s, "predicted_bytes": p.memory_bytes})
     (OUT / "rows.json").write_text(json.dumps(rows, indent=1))
-    command = "bash scripts/setup-env.sh && .venv/bin/python benchmarks/cost_model.py"
-    report = write_report(rows, chosen, clusters, command, time.perf_counter() - started)
+    command = "bash scripts/setup-env.sh && .venv/bin/python benchmarks/cost_model.py" + (" --device cuda" if args.device == "cuda" else "")
+    machine = f"{platform.machine()} CPU only (gloo)"
+    if args.device == "cuda":
+        import torch
+
+        machine = f"{torch.cuda.get_device_name(0)} (nccl)"
+    report = write_report(rows, chosen, clusters, command, time.perf_counter() - started, machine)
     Path(args.out).write_text(report)
     ok = [r for r in rows if not r["error"] and math.isfinite(r["measured_step_s"])]
     if ok:
-        plot(ok, ROOT / "benchmarks" / "cost_model.png")
+        plot(ok, Path(args.out).with_suffix(".png"), machine)
     print(report.split("## Calibrated")[0])
 
 

@@ -4,8 +4,10 @@
 them torchrun's environment (127.0.0.1, a free port) and trains the plan through
 ``Trainer(strategy=FleetStrategy(plan=..., cluster=<calibrated file>))``. Forking keeps the
 import cost (~10 s here) out of every plan, and every plan starts from the same clean process:
-its peak memory is the child's resident-set high-water mark (Linux ``VmHWM``), with nothing left
-over from earlier plans, and a plan that fails or hangs takes nothing else down.
+its peak memory is the child's resident-set high-water mark (Linux ``VmHWM``; on a GPU
+``torch.cuda.max_memory_allocated``), with nothing left over from earlier plans, and a plan that
+fails or hangs takes nothing else down. (CUDA is first touched in the children, never in the
+parent, so forking is safe there too.)
 
 The step time is the median of the steps after the warm-up ones (time between consecutive
 optimizer-step ends, the slowest rank); the peak memory is the largest rank's.
@@ -64,16 +66,16 @@ def _gather_max(value: float) -> float:
     return float(t.item())
 
 
-def run_plan(size: str, plan: str, cluster: str, steps: int, warmup: int) -> dict:
+def run_plan(size: str, plan: str, cluster: str, steps: int, warmup: int, device: str = "cpu") -> dict:
     """Train one plan in this process; returns its measured step time and peak memory (all ranks call this together)."""
     rss_before = _rss_kib("VmRSS") * 1024
     seed_everything(0, verbose=False)
     shape = SIZES[size]
     clock = StepClock()
     trainer = Trainer(
-        accelerator="cpu",
+        accelerator="gpu" if device == "cuda" else "cpu",
         devices=1,
-        strategy=lightning_fleet.FleetStrategy(plan=plan, cluster=None if cluster == "auto" else cluster, global_batch_size=GLOBAL_BATCH),
+        strategy=lightning_fleet.FleetStrategy(plan=plan, cluster=cluster, global_batch_size=GLOBAL_BATCH),
         max_steps=steps,
         logger=False,
         enable_checkpointing=False,
@@ -91,7 +93,8 @@ def run_plan(size: str, plan: str, cluster: str, steps: int, warmup: int) -> dic
         traceback.print_exc()
     times = clock.step_times(warmup)
     step_s = _gather_max(statistics.median(times) if times and not error else float("nan"))
-    peak = _gather_max(_rss_kib("VmHWM") * 1024)
+    # CPU: the process' resident high-water mark; GPU: what the caching allocator handed out at most
+    peak = _gather_max(torch.cuda.max_memory_allocated() if device == "cuda" else _rss_kib("VmHWM") * 1024)
     estimate = trainer.strategy.estimate
     result = {
         "size": size,
@@ -113,7 +116,7 @@ def run_plan(size: str, plan: str, cluster: str, steps: int, warmup: int) -> dic
     return result
 
 
-def run_forked(size: str, plan: str, cluster: str, *, world: int, steps: int, warmup: int, timeout_s: float, port: int) -> dict:
+def run_forked(size: str, plan: str, cluster: str, *, world: int, steps: int, warmup: int, timeout_s: float, port: int, device: str = "cpu") -> dict:
     """Train ``plan`` on ``world`` forked processes; returns rank 0's record (an ``error`` when it failed or timed out)."""
     import select
     import signal
@@ -130,7 +133,7 @@ def run_forked(size: str, plan: str, cluster: str, *, world: int, steps: int, wa
                     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank), WORLD_SIZE=str(world),
                                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                                       TORCHELASTIC_RUN_ID=f"cost-model-{port}")
-                payload = run_plan(size, plan, cluster, steps, warmup)
+                payload = run_plan(size, plan, cluster, steps, warmup, device)
             except BaseException as err:  # noqa: BLE001 - reported to the parent, whatever it was
                 payload = {"error": f"{type(err).__name__}: {str(err).strip()[:300]}"}
             with os.fdopen(write, "w") as out:
