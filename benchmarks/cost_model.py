@@ -1,6 +1,6 @@
 """Hold the cost model against reality on this machine: every executable plan, predicted and measured.
 
-    .venv/bin/python benchmarks/cost_model.py            # writes benchmarks/RESULTS.md and benchmarks/cost_model.png
+    .venv/bin/python benchmarks/cost_model.py            # writes benchmarks/RESULTS.md and benchmarks/RESULTS.png
 
 1. ``fleet calibrate`` measures the machine for each world size (microbenchmarks only: matmul
    rates, all-reduce, operator dispatch, optimizer rate, backward/forward ratio, the framework's

@@ -307,7 +307,7 @@ def measure_cluster(device: torch.device, shape: WorldShape, baseline_rss_bytes:
             op_overhead_s=float(f"{_min_across_ranks(op_overhead_s(device), device):.3g}"),
             adam_params_per_s=float(f"{device_adam:.3g}"),
             # an offloaded optimizer is the user's torch optimizer stepping on host tensors, every local rank at once
-            cpu_adam_params_per_s=float(f"{host_adam * shape.local_world_size:.3g}"),
+            cpu_adam_params_per_s=float(f"{min(host_adam, device_adam):.3g}") * shape.local_world_size,
             memory_reserve_fraction=0.05 if device.type == "cuda" else 0.0,
             memory_reserve_gib=round(1.0 if device.type == "cuda" else rss_gib, 3),
         ),

@@ -176,3 +176,96 @@ def test_placement_is_searched_when_the_default_crosses_nodes():
     result = plan(model, slow, top=1, zero_stages=(0,), allow_offload=False, recompute=(Recompute.NONE,))
     truth = [e for e in brute_force(model, slow, Constraints(zero_stages=(0,), recompute=(Recompute.NONE,))) if e.fits and e.plan.offload is Offload.NONE]
     assert result.best.time.step_s == pytest.approx(min(e.time.step_s for e in truth), rel=1e-12)
+
+
+@pytest.mark.parametrize("model,cluster", CASES)
+def test_search_prices_plans_as_estimate_does(model, cluster):
+    """The search's memoised memory and time terms are those of estimate(), bit for bit, placements included."""
+    for exhaustive in (True, False):
+        result = plan(model, cluster, top=3, exhaustive=exhaustive)
+        for e in result.all_feasible:
+            single = estimate(model, cluster, e.plan)
+            assert (e.memory, e.time) == (single.memory, single.time), e.plan
+    for misfit in result.misfit_plans:
+        assert not estimate(model, cluster, misfit).fits
+
+
+def test_room_is_the_exact_threshold_of_a_rounded_sum():
+    """a + other <= limit (as floats round it) holds exactly for a <= room(other, limit), at every scale."""
+    import math
+    import random
+
+    from lightning_fleet.planning.search import room
+
+    rng = random.Random(7)
+    pairs = [(0.0, 1.0), (1.0, 1.0), (2.0, 1.0), (79.9999e9, 80e9), (1e-300, 1e300), (3.0, 1e-9)]
+    pairs += [(rng.uniform(0, 1e11), rng.uniform(1e9, 1e11)) for _ in range(300)]
+    for other, limit in pairs:
+        r = room(other, limit)
+        assert r + other <= limit and not math.nextafter(r, math.inf) + other <= limit
+        for a in (r, math.nextafter(r, -math.inf), math.nextafter(r, math.inf), limit - other, 0.0, rng.uniform(0, 2 * limit)):
+            assert (a + other <= limit) == (a <= r)
+
+
+def test_fit_table_agrees_with_the_sums():
+    """Variants fit on ranks exactly when activations + other bytes <= limit on every stage and the host fits."""
+    import random
+
+    from lightning_fleet.planning.search import _FitTable, _State, room
+
+    rng = random.Random(3)
+    limit = 80.0 * 1024**3
+    recomputes = tuple(Recompute)
+    for _ in range(200):
+        stages = rng.choice((1, 2, 3))
+        offloads = [Offload.NONE, Offload.OPTIMIZER, Offload.OPTIMIZER_PARAMS][: rng.choice((1, 2, 3))]
+        others = [[rng.uniform(0.2, 1.0) * limit for _ in range(stages)] for _ in offloads]
+        states = [
+            _State(terms=(), rooms=tuple(room(o, limit) for o in other), host_fits=rng.random() < 0.8) for other in others
+        ]
+        table = _FitTable(recomputes, states)
+        ranked = table.states(0, offloads, states)
+        by_mode = {r: tuple(rng.choice((0.0, rng.uniform(0, 0.8) * limit, states[0].rooms[k])) for k in range(stages)) for r in recomputes}
+        expected = [
+            (r, o)
+            for r in recomputes
+            for o, other, state in zip(offloads, others, states)
+            if state.host_fits and all(a + b <= limit for a, b in zip(by_mode[r], other))
+        ]
+        assert table.fitting(ranked, table.signature(by_mode)) == expected
+        assert table.fitting(ranked, table.signature(by_mode)) == expected  # remembered
+
+
+def _fastest_link_bound_off(monkeypatch):
+    from lightning_fleet.planning import search
+
+    monkeypatch.setattr(search, "_SLACK", float("inf"))
+
+
+@pytest.mark.parametrize("model,cluster", CASES)
+def test_fastest_link_bound_keeps_the_plans_and_rejections(model, cluster, monkeypatch):
+    """Skipping variants whose fastest-link time cannot reach the reported plans changes no plan and no rejection."""
+    pruned = [plan(model, cluster, top=top, max_rejected=rejected) for top, rejected in ((1, 1), (2, 3), (3, 20))]
+    _fastest_link_bound_off(monkeypatch)
+    for result, (top, rejected) in zip(pruned, ((1, 1), (2, 3), (3, 20))):
+        full = plan(model, cluster, top=top, max_rejected=rejected)
+        assert [(e.plan, e.time, e.memory) for e in result.plans] == [(e.plan, e.time, e.memory) for e in full.plans]
+        assert result.rejected == full.rejected
+        assert (result.candidates, result.feasible) == (full.candidates, full.feasible)
+        assert {str(e.plan) for e in result.all_feasible} <= {str(e.plan) for e in full.all_feasible}
+
+
+def test_fastest_link_bound_prunes_and_a_wrong_bound_is_caught(monkeypatch):
+    """The bound skips estimates on a larger case; a mutant that prunes against half the threshold changes the answer."""
+    from lightning_fleet.planning import search
+
+    model = make_model(layers=8, hidden=2048, heads=16, seq=1024, gbs=64)
+    cluster = make_cluster(nodes=4, devices_per_node=4, memory_gib=16)
+    pruned = plan(model, cluster, top=1, max_rejected=2)
+    monkeypatch.setattr(search, "_SLACK", 0.5)  # not a lower bound any more
+    wrong = plan(model, cluster, top=1, max_rejected=2)
+    _fastest_link_bound_off(monkeypatch)
+    full = plan(model, cluster, top=1, max_rejected=2)
+    assert len(pruned.all_feasible) < len(full.all_feasible)
+    assert (pruned.plans, pruned.rejected) == (full.plans, full.rejected)
+    assert (wrong.plans, wrong.rejected) != (full.plans, full.rejected)

@@ -235,6 +235,14 @@ class ClusterSpec:
     def __post_init__(self) -> None:
         if not self.groups:
             raise SpecError("cluster needs at least one device group")
+        c = self.calibration
+        if c.cpu_adam_params_per_s > self.devices_per_node * c.adam_params_per_s:
+            # the planner prunes on "offload never makes a step faster"; a host that out-steps its devices breaks that
+            raise SpecError(
+                f"calibration.cpu_adam_params_per_s ({c.cpu_adam_params_per_s:g}) is more than devices_per_node "
+                f"({self.devices_per_node}) x adam_params_per_s ({c.adam_params_per_s:g}): offloading would make the "
+                "optimizer step faster than on the devices; raise adam_params_per_s or lower cpu_adam_params_per_s"
+            )
 
     @property
     def world_size(self) -> int:

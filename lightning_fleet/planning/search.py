@@ -1,20 +1,40 @@
 """The planner: enumerate layouts, prune by memory, rank by predicted step time, explain the rest.
 
 Search is separate from execution: it takes specs and returns ranked estimates; it never launches
-anything. Three pruning rules keep it fast and exact (tests compare it with brute force):
+anything. These rules keep it fast and exact (tests compare it with brute force):
 
 * memory never shrinks as the micro-batch grows, so the first micro-batch size that does not fit
   ends that branch;
 * recomputation (none < selective < full) and offload (none < optimizer < optimizer+params) only
   add time and only remove memory, so a fitting variant is priced only when no variant with less
   of both fits;
-* placements other than the default are priced only when the default puts a collective across nodes.
+* branch and bound on compute: a micro-batch size is not priced when its step time with all
+  communication free (:func:`~lightning_fleet.planning.estimate.compute_bound_s`, a lower bound over
+  placements, recomputation and offload) is no better than the top-th time priced so far;
+* branch and bound on links: a variant is not priced when its step time with every collective on
+  the fastest link (a lower bound over placements: every term grows with latency and per-byte time)
+  exceeds the (top + max_rejected)-th time priced so far by more than rounding (factor 1 + 1e-9). At
+  least that many plans are then strictly faster under every placement, so the plans and rejections
+  returned are the same as without the rule; only ``all_feasible`` holds fewer estimates;
+* placements other than the default are priced only when the default puts a collective across
+  nodes, only for plans whose fastest-link time could enter the top, and only those that put some
+  axis on another link than the default and the placements tried before (time depends on a
+  placement only through the links of the axes).
+
+Candidates and feasible counts do not depend on the bounds: every micro-batch size is still tested
+for memory. That test compares activation bytes with *rooms*, the largest value that still fits
+next to a stage's other bytes as floats round the sum (:func:`room`), so it decides exactly as the
+sum does; which variants fit then depends only on where the activation bytes rank among a layout's
+rooms, and is kept per ranking. Step times come from memoised pieces
+(:class:`~lightning_fleet.planning.estimate.TimeModel`) equal bit for bit to :func:`estimate`'s.
 """
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
+import struct
 import time as _clock
 from dataclasses import dataclass, field
 
@@ -22,19 +42,16 @@ from lightning_fleet.planning.cluster import GIB, ClusterSpec, LinkLevel
 from lightning_fleet.planning.comm import axis_level
 from lightning_fleet.planning.errors import NoFeasiblePlanError, PlanError
 from lightning_fleet.planning.estimate import (
+    ActivationModel,
     Estimate,
     Hardware,
-    compute_bound_s,
-    estimate_with,
-    memory_estimate,
-    stage_activation_bytes,
+    TimeModel,
     stage_state_bytes,
-    time_estimate,
 )
 from lightning_fleet.planning.memory import MemoryEstimate
 from lightning_fleet.planning.model import ModelSpec
 from lightning_fleet.planning.plan import DEFAULT_ORDER, Axis, Offload, Plan, Recompute
-from lightning_fleet.planning.stages import stage_loads
+from lightning_fleet.planning.stages import StageLoad
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -107,11 +124,12 @@ class PlanResult:
     candidates: int
     """Candidates considered (pruned families counted in full)."""
     feasible: int
-    """Candidates that fit (each is priced, or dominated by a faster one that fits)."""
+    """Candidates that fit (each is priced, dominated by a faster one that fits, or skipped by a bound as slower than the plans reported)."""
     seconds: float
     """Wall time of the search."""
     all_feasible: tuple[Estimate, ...] = field(default=(), repr=False)
-    """Every estimate priced, fastest first (every undominated feasible plan when searched exhaustively)."""
+    """Every estimate priced, fastest first: every undominated feasible plan when searched exhaustively,
+    otherwise the top plans and the runners-up among those the bounds did not skip."""
     misfit_plans: tuple[Plan, ...] = field(default=(), repr=False)
     """The lightest variant of every family that did not fit (for plots)."""
 
@@ -150,7 +168,9 @@ class _Layout:
     pp: int
 
 
-def _layouts(model: ModelSpec, world: int, cons: Constraints, rejected: list[tuple[float, Rejection]]) -> list[_Layout]:
+def _layouts(
+    model: ModelSpec, world: int, cons: Constraints, rejected: list[tuple[float, Rejection | tuple[Plan, MemoryEstimate]]]
+) -> list[_Layout]:
     out = []
     for tp in divisors(world):
         if model.num_heads % tp or (cons.max_tp and tp > cons.max_tp):
@@ -195,30 +215,8 @@ def _alternative_orders(plan: Plan, hw: Hardware) -> list[tuple[Axis, ...]]:
     return out
 
 
-def _best_placement(model: ModelSpec, hw: Hardware, default: Estimate) -> Estimate:
-    best = default
-    for order in _alternative_orders(default.plan, hw):
-        other = estimate_with(model, hw, default.plan.replace(order=order), default.memory)  # placement moves no bytes
-        if other.time.step_s < best.time.step_s:
-            best = other
-    return best
-
-
-def _refine_placements(model: ModelSpec, hw: Hardware, ranked: list[Estimate], top: int) -> list[Estimate]:
-    """Price other placements for the plans that could still enter the top ``top``.
-
-    A plan's time with every collective on the faster link is a lower bound over all placements;
-    plans whose bound is no better than the current top-th time keep the default placement.
-    """
-    fastest = hw.with_fastest_links()
-    threshold = ranked[min(top, len(ranked)) - 1].time.step_s
-    out = []
-    for candidate in ranked:
-        if compute_bound_s(model, hw, candidate.plan) < threshold and _alternative_orders(candidate.plan, hw):
-            if time_estimate(model, fastest, candidate.plan).step_s < threshold:
-                candidate = _best_placement(model, hw, candidate)
-        out.append(candidate)
-    return sorted(out, key=_rank_key)
+_SLACK = 1.0 + 1e-9
+"""A bound prunes only when it exceeds the threshold by this factor: far more than the rounding of a few dozen operations."""
 
 
 def _rank_key(e: Estimate) -> tuple[float, float]:
@@ -244,6 +242,14 @@ def explain_misfit(memory: MemoryEstimate) -> str:
     )
 
 
+def _misfit_rejection(misfit: Rejection | tuple[Plan, MemoryEstimate]) -> Rejection:
+    """A rejected layout as it is, or a family that did not fit (its lightest variant and memory), explained."""
+    if isinstance(misfit, Rejection):
+        return misfit
+    plan, memory = misfit
+    return Rejection(plan=str(plan), reason=explain_misfit(memory) + " (and every larger mbs)")
+
+
 def _explain_slower(candidate: Estimate, best: Estimate) -> str:
     ratio = candidate.time.step_s / best.time.step_s
     term, seconds = candidate.time.largest_term()
@@ -254,7 +260,7 @@ def _explain_slower(candidate: Estimate, best: Estimate) -> str:
 
 
 def _undominated(
-    fitting: list[tuple[Recompute, Offload]], recomputes: tuple[Recompute, ...], offloads: list[Offload]
+    fitting: list[tuple[Recompute, Offload]], recomputes: tuple[Recompute, ...], offloads: tuple[Offload, ...]
 ) -> list[tuple[Recompute, Offload]]:
     """Fitting variants with no lighter-weight fitting variant: less recomputation and less offload are never slower."""
     rank = {v: (recomputes.index(v[0]), offloads.index(v[1])) for v in fitting}
@@ -265,24 +271,178 @@ def _undominated(
     ]
 
 
+_ORDINAL_INF = 0x7FF0000000000000  # the ordinal of +inf (and minus that of -inf)
+
+
+def _ordinal(x: float) -> int:
+    """The position of a float among all floats, as an integer (-0.0 and 0.0 both 0); increasing with x."""
+    bits = struct.unpack("<q", struct.pack("<d", x))[0]
+    return bits if bits >= 0 else -bits - (1 << 63)
+
+
+def _from_ordinal(n: int) -> float:
+    """The float at position ``n`` (the inverse of :func:`_ordinal`)."""
+    return struct.unpack("<d", struct.pack("<q", n if n >= 0 else -n - (1 << 63)))[0]
+
+
+def room(other: float, limit: float) -> float:
+    """The largest float ``a`` for which ``a + other <= limit`` holds as floats round the sum.
+
+    Rounded addition never decreases when an operand grows, so the test holds exactly for the
+    floats ``a <= room(other, limit)``: one comparison with the room decides it bit for bit. Found
+    by galloping from ``limit - other``, then bisecting, over the floats in order.
+    """
+
+    def fits(n: int) -> bool:
+        return _from_ordinal(n) + other <= limit
+
+    n = min(max(_ordinal(limit - other), -_ORDINAL_INF), _ORDINAL_INF)
+    step = 1
+    if fits(n):  # gallop up to a float that does not fit (+inf never does)
+        lo = n
+        while lo + step < _ORDINAL_INF and fits(lo + step):
+            lo, step = lo + step, step * 2
+        hi = min(lo + step, _ORDINAL_INF)
+    else:  # gallop down to a float that fits (-inf always does)
+        hi = n
+        while hi - step > -_ORDINAL_INF and not fits(hi - step):
+            hi, step = hi - step, step * 2
+        lo = max(hi - step, -_ORDINAL_INF)
+    while hi - lo > 1:  # fits(lo) and not fits(hi)
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return _from_ordinal(lo)
+
+
+@dataclass(frozen=True, slots=True)
+class _State:
+    """What a stage holds besides activations, for one (layout, zero, offload)."""
+
+    terms: tuple[tuple[float, float, float, float, float], ...]
+    """Per stage: (params, grads, optimizer, other, host) bytes, as :func:`stage_state_bytes` returns them."""
+    rooms: tuple[float, ...]
+    """Per stage: :func:`room` for params + grads + optimizer + other (summed in that order): the activation bytes that still fit."""
+    host_fits: bool
+    """Every stage's host bytes fit the host share of one device."""
+
+
+@dataclass(frozen=True, slots=True)
+class _States:
+    """The offload modes of one (layout, zero) and where their rooms rank among the layout's."""
+
+    zero: int
+    """ZeRO stage."""
+    offloads: tuple[Offload, ...]
+    """Offload modes, lightest first."""
+    states: tuple[_State, ...]
+    """Their states, in the same order."""
+    positions: tuple[tuple[Offload, tuple[int, ...]], ...]
+    """Per mode that fits the host, in order: per stage, the rank of its room among the layout's rooms."""
+
+
+class _FitTable:
+    """Which (recompute, offload) variants of one layout fit, decided on ranks and remembered.
+
+    Activations ``a`` fit next to other bytes with room ``r`` exactly when ``a <= r``; among the
+    layout's sorted rooms ``R`` that is ``bisect_left(R, a) <= bisect_left(R, r)``. So whether each
+    variant fits depends only on the ranks of the activation bytes (one signature per micro-batch
+    size, vpp and sp, shared by the ZeRO stages), and the answer for a signature is kept.
+    """
+
+    __slots__ = ("_fitting", "recomputes", "rooms")
+
+    def __init__(self, recomputes: tuple[Recompute, ...], states: list[_State]) -> None:
+        self.recomputes = recomputes
+        """Recompute modes, in search order."""
+        self.rooms: tuple[list[float], ...] = tuple(sorted(set(r)) for r in zip(*(s.rooms for s in states))) if states else ()
+        """Per stage: the sorted rooms of the layout's states."""
+        self._fitting: dict[tuple[int, tuple[int, ...]], list[tuple[Recompute, Offload]]] = {}
+
+    def states(self, zero: int, offloads: list[Offload], states: list[_State]) -> _States:
+        """Rank the rooms of one ZeRO stage's offload modes."""
+        positions = tuple(
+            (offload, tuple(bisect.bisect_left(rooms, r) for rooms, r in zip(self.rooms, state.rooms)))
+            for offload, state in zip(offloads, states)
+            if state.host_fits
+        )
+        return _States(zero=zero, offloads=tuple(offloads), states=tuple(states), positions=positions)
+
+    def signature(self, by_mode: dict[Recompute, tuple[float, ...]]) -> tuple[int, ...]:
+        """The ranks of every mode's activation bytes (recompute outer, stage inner) among the rooms."""
+        ranks = []
+        for row in by_mode.values():
+            for rooms, a in zip(self.rooms, row):
+                ranks.append(bisect.bisect_left(rooms, a))
+        return tuple(ranks)
+
+    def fitting(self, states: _States, signature: tuple[int, ...]) -> list[tuple[Recompute, Offload]]:
+        """The variants that fit on the device and on the host, in search order (not to be changed)."""
+        out = self._fitting.get((states.zero, signature))
+        if out is None:
+            out = self._fitting[(states.zero, signature)] = []
+            n = len(self.rooms)
+            for i, recompute in enumerate(self.recomputes):
+                ranks = signature[i * n : i * n + n]
+                for offload, positions in states.positions:
+                    for rank, position in zip(ranks, positions):
+                        if rank > position:
+                            break
+                    else:
+                        out.append((recompute, offload))
+        return out
+
+
+class _Activations:
+    """Activation bytes of every stage per recompute mode, for one (layout, vpp, sp, mbs), and what they decide.
+
+    Shared by the ZeRO stages of the layout: which variants of each stage fit, and the compute
+    bound, are kept here once known.
+    """
+
+    __slots__ = ("bound", "by_mode", "fits", "gas", "signature")
+
+    def __init__(self, gas: int, by_mode: dict[Recompute, tuple[float, ...]], signature: tuple[int, ...]) -> None:
+        self.gas = gas
+        """Micro-batches per step at this micro-batch size."""
+        self.by_mode = by_mode
+        """Per recompute mode (in search order), per stage: what :func:`stage_activation_bytes` returns."""
+        self.signature = signature
+        """Their ranks among the layout's rooms (:meth:`_FitTable.signature`)."""
+        self.fits: dict[int, list[tuple[Recompute, Offload]]] = {}
+        """ZeRO stage -> the variants that fit (:meth:`_FitTable.fitting`)."""
+        self.bound: float | None = None
+        """:func:`compute_bound_s` of the plans, once needed."""
+
+
 class _Search:
     """One run of the planner (mutable bookkeeping kept out of the pure functions)."""
 
-    def __init__(self, model: ModelSpec, cluster: ClusterSpec, cons: Constraints, *, top: int, exhaustive: bool) -> None:
-        self.model, self.cons, self.top, self.exhaustive = model, cons, top, exhaustive
+    def __init__(self, model: ModelSpec, cluster: ClusterSpec, cons: Constraints, *, top: int, reported: int, exhaustive: bool) -> None:
+        self.model, self.cons, self.top, self.reported, self.exhaustive = model, cons, top, reported, exhaustive
         self._top_times: list[float] = []  # negated step times of the best `top` priced so far (a max-heap)
+        self._reported_times: list[float] = []  # negated step times of the best `reported` priced so far (a max-heap)
         self.hw = Hardware.of(cluster, model)
+        self.times = TimeModel(model, self.hw)
+        self.fastest = TimeModel(model, self.hw.with_fastest_links())
+        self._fastest_s: dict[int, float] = {}  # id(estimate) -> its step time with every collective on the fastest link
+        self.activations = ActivationModel()
         self.has_host = cluster.host is not None
         self.candidates = 0
         self.feasible_count = 0
         self.feasible: list[Estimate] = []
-        self.misfits: list[tuple[float, Rejection]] = []
+        self.misfits: list[tuple[float, Rejection | tuple[Plan, MemoryEstimate]]] = []  # explained when reported
         self.misfit_plans: list[Plan] = []
         self.closest: tuple[float, MemoryEstimate, Plan] | None = None
-        self._states: dict[tuple[int, int, int, int, Offload], list[tuple[float, ...]]] = {}
+        self._states: dict[tuple[int, int, int, int, Offload], _State] = {}
+        self._bounds: dict[tuple[int, int, int, int, int], float] = {}
+        self._orders: dict[tuple[int, int, int], list[tuple[Axis, ...]]] = {}
+        self._undominated: dict[tuple[tuple[Recompute, Offload], ...], list[tuple[Recompute, Offload]]] = {}
 
-    def _worst(self, acts: list[float], state: list[tuple[float, ...]], loads) -> MemoryEstimate:
-        """The worst stage's MemoryEstimate, built from the sums the search already has."""
+    def _worst(self, acts: tuple[float, ...], state: _State, loads: tuple[StageLoad, ...]) -> MemoryEstimate:
+        """The worst stage's MemoryEstimate (what :func:`memory_estimate` returns), built from the sums the search already has."""
         stages = [
             MemoryEstimate(
                 params_bytes=params,
@@ -295,85 +455,191 @@ class _Search:
                 host_limit_bytes=self.hw.host_bytes_per_device,
                 stage=load.index,
             )
-            for a, (params, grads, optimizer, other, host), load in zip(acts, state, loads)
+            for a, (params, grads, optimizer, other, host), load in zip(acts, state.terms, loads)
         ]
         return max(stages, key=MemoryEstimate.shortfall_bytes)
 
-    def _cannot_enter_top(self, base: Plan) -> bool:
-        """Branch and bound: skip pricing when even free communication would not beat the top-th time so far."""
-        if self.exhaustive or len(self._top_times) < self.top:
-            return False
-        return compute_bound_s(self.model, self.hw, base) >= -self._top_times[0]
+    def _bound(self, tp: int, pp: int, vpp: int, mbs: int, gas: int) -> float:
+        """:func:`compute_bound_s`, kept: it depends on neither ZeRO, sp, recomputation, offload nor placement."""
+        key = (tp, pp, vpp, mbs, gas)
+        bound = self._bounds.get(key)
+        if bound is None:
+            bound = self._bounds[key] = self.times.compute_bound(tp=tp, pp=pp, vpp=vpp, mbs=mbs, gas=gas)
+        return bound
 
-    def _state(self, base: Plan, offload: Offload) -> list[tuple[float, ...]]:
+    def _alternatives(self, plan: Plan) -> list[tuple[Axis, ...]]:
+        """:func:`_alternative_orders` of a default-placed plan that put some axis on another link, kept per layout.
+
+        A step time depends on the placement only through the links of the three axes, so a
+        placement with the links of the default, or of an earlier alternative, is never strictly faster.
+        """
+        key = (plan.dp, plan.tp, plan.pp)
+        orders = self._orders.get(key)
+        if orders is None:
+            seen = {tuple(map(id, self.times.links(plan, plan.order)))}
+            orders = self._orders[key] = []
+            for order in _alternative_orders(plan, self.hw):
+                links = tuple(map(id, self.times.links(plan, order)))
+                if links not in seen:
+                    seen.add(links)
+                    orders.append(order)
+        return orders
+
+    def _state(self, layout: _Layout, zero: int, offload: Offload) -> _State:
         """Per-stage non-activation bytes; they do not depend on mbs, gas, sp or vpp, so they are kept."""
-        key = (base.dp, base.tp, base.pp, base.zero, offload)
-        if key not in self._states:
-            self._states[key] = [
-                stage_state_bytes(self.model, self.hw, load, tp=base.tp, dp=base.dp, zero=base.zero, offload=offload)
-                for load in stage_loads(self.model, base.pp)
-            ]
-        return self._states[key]
+        key = (layout.dp, layout.tp, layout.pp, zero, offload)
+        state = self._states.get(key)
+        if state is None:
+            terms = tuple(
+                stage_state_bytes(self.model, self.hw, load, tp=layout.tp, dp=layout.dp, zero=zero, offload=offload)
+                for load in self.times.loads(layout.pp)
+            )
+            state = self._states[key] = _State(
+                terms=terms,
+                rooms=tuple(room(sum(t[:4]), self.hw.memory_bytes) for t in terms),
+                host_fits=all(t[4] <= self.hw.host_bytes_per_device for t in terms),
+            )
+        return state
 
     def run(self) -> None:
+        """Walk every layout, variant and micro-batch size; price what fits and can still enter the top."""
         for layout in _layouts(self.model, self.hw.world_size, self.cons, self.misfits):
             batch = self.model.global_batch_size // layout.dp
             mbs_values = [m for m in divisors(batch) if self.cons.mbs is None or m in self.cons.mbs]
-            for vpp, sp, zero in _variants(layout, self.model, self.cons):
-                self._micro_batches(layout, vpp, sp, zero, batch, mbs_values)
+            variants = _variants(layout, self.model, self.cons)
+            modes: dict[int, tuple[list[Offload], list[_State]]] = {}  # zero -> its offload modes and their states
+            for zero in dict.fromkeys(zero for _, _, zero in variants):
+                offloads = _offloads(zero, self.cons, self.has_host)
+                if layout.pp > 1 and not self.cons.offload_with_pp:
+                    offloads = [o for o in offloads if o is Offload.NONE]
+                if offloads:
+                    modes[zero] = (offloads, [self._state(layout, zero, offload) for offload in offloads])
+            table = _FitTable(self.cons.recompute, [state for _, states in modes.values() for state in states])
+            by_zero = {zero: table.states(zero, offloads, states) for zero, (offloads, states) in modes.items()}
+            sweeps: dict[tuple[int, bool], list[_Activations]] = {}  # shared by the ZeRO stages of a layout
+            for vpp, sp, zero in variants:
+                if zero in by_zero:
+                    self._micro_batches(layout, vpp, sp, by_zero[zero], batch, mbs_values, table, sweeps.setdefault((vpp, sp), []))
 
-    def _micro_batches(self, layout: _Layout, vpp: int, sp: bool, zero: int, batch: int, mbs_values: list[int]) -> None:
-        offloads = _offloads(zero, self.cons, self.has_host)
-        if layout.pp > 1 and not self.cons.offload_with_pp:
-            offloads = [o for o in offloads if o is Offload.NONE]
-        if not offloads:
-            return
-        family = len(self.cons.recompute) * len(offloads)
-        for i, mbs in enumerate(mbs_values):
-            base = Plan(dp=layout.dp, tp=layout.tp, pp=layout.pp, zero=zero, mbs=mbs, gas=batch // mbs, sp=sp, vpp=vpp)
-            if not self._first_fit(base, offloads):
-                self.candidates += family * (len(mbs_values) - i)
-                return
-            self.candidates += family
+    def _micro_batches(
+        self,
+        layout: _Layout,
+        vpp: int,
+        sp: bool,
+        states: _States,
+        batch: int,
+        mbs_values: list[int],
+        table: _FitTable,
+        sweep: list[_Activations],
+    ) -> None:
+        """Micro-batch sizes smallest first: price the variants that fit, stop at the first size where none does.
 
-    def _first_fit(self, base: Plan, offloads: list[Offload]) -> bool:
-        """Price the first (recompute, offload) variant that fits; record the lightest misfit otherwise.
-
-        Activations depend only on recompute and the other terms only on offload, so each is summed
-        once per stage and the variants are compared on those sums.
+        ``sweep`` holds the activations of this (vpp, sp) by micro-batch size, as far as some ZeRO stage went.
         """
-        loads = stage_loads(self.model, base.pp)
-        hw = self.hw
-        acts = {r: [stage_activation_bytes(load, base, r) for load in loads] for r in self.cons.recompute}
-        state = {o: self._state(base, o) for o in offloads}
-        fitting = [
-            (recompute, offload)
-            for recompute, offload in itertools.product(self.cons.recompute, offloads)
-            if all(
-                a + sum(s[:4]) <= hw.memory_bytes and s[4] <= hw.host_bytes_per_device
-                for a, s in zip(acts[recompute], state[offload])
-            )
-        ]
-        if fitting:
-            self.feasible_count += len(fitting)
-            if self._cannot_enter_top(base):
-                return True
-            for recompute, offload in _undominated(fitting, self.cons.recompute, offloads):
-                memory = self._worst(acts[recompute], state[offload], loads)
-                priced = estimate_with(self.model, hw, base.replace(recompute=recompute, offload=offload), memory)
-                self.feasible.append(priced)
-                heapq.heappush(self._top_times, -priced.time.step_s)
-                if len(self._top_times) > self.top:
-                    heapq.heappop(self._top_times)
-            return True
-        plan = base.replace(recompute=self.cons.recompute[-1], offload=offloads[-1])
-        memory = memory_estimate(self.model, hw, plan)
+        top_times, top, bounded = self._top_times, self.top, not self.exhaustive
+        tp, pp, zero = layout.tp, layout.pp, states.zero
+        family = len(self.cons.recompute) * len(states.offloads)
+        candidates = feasible = 0
+        for i, mbs in enumerate(mbs_values):
+            if i < len(sweep):
+                acts = sweep[i]
+            else:
+                acts = self._activations(layout, vpp, sp, mbs, batch // mbs, table)
+                sweep.append(acts)
+            fitting = acts.fits.get(zero)
+            if fitting is None:
+                fitting = acts.fits[zero] = table.fitting(states, acts.signature)
+            if not fitting:
+                fields = {"dp": layout.dp, "tp": tp, "pp": pp, "zero": zero, "mbs": mbs, "gas": acts.gas, "sp": sp, "vpp": vpp}
+                self._misfit(fields, acts, states)
+                candidates += family * (len(mbs_values) - i)
+                break
+            candidates += family
+            feasible += len(fitting)
+            if bounded and len(top_times) >= top:
+                # branch and bound: skip pricing when even free communication would not beat the top-th time so far
+                if acts.bound is None:
+                    acts.bound = self._bound(tp, pp, vpp, mbs, acts.gas)
+                if acts.bound >= -top_times[0]:
+                    continue
+            fields = {"dp": layout.dp, "tp": tp, "pp": pp, "zero": zero, "mbs": mbs, "gas": acts.gas, "sp": sp, "vpp": vpp}
+            self._price(fields, fitting, acts, states)
+        self.candidates += candidates
+        self.feasible_count += feasible
+
+    def _activations(self, layout: _Layout, vpp: int, sp: bool, mbs: int, gas: int, table: _FitTable) -> _Activations:
+        """Per recompute mode, the activation bytes of every stage (what :func:`stage_activation_bytes` returns)."""
+        loads = self.times.loads(layout.pp)
+        by_mode = self.activations.stage_bytes(loads, self.cons.recompute, tp=layout.tp, sp=sp, pp=layout.pp, vpp=vpp, mbs=mbs, gas=gas)
+        return _Activations(gas, by_mode, table.signature(by_mode))
+
+    def _price(self, fields: dict[str, int | bool], fitting: list[tuple[Recompute, Offload]], acts: _Activations, states: _States) -> None:
+        """Estimate the fitting variants (of the plan with these fields) that no lighter fitting variant dominates, and keep the top times."""
+        loads = self.times.loads(int(fields["pp"]))
+        key = tuple(fitting)
+        undominated = self._undominated.get(key)
+        if undominated is None:
+            undominated = self._undominated[key] = _undominated(fitting, self.cons.recompute, states.offloads)
+        reported = self._reported_times
+        for recompute, offload in undominated:
+            plan = Plan(**fields, recompute=recompute, offload=offload)  # type: ignore[arg-type]
+            fastest_s = None
+            if not self.exhaustive and len(reported) >= self.reported:
+                # the plan's time with every collective on the fastest link bounds it under any placement
+                fastest_s = self.fastest.time(plan).step_s
+                if fastest_s > -reported[0] * _SLACK:
+                    continue
+            memory = self._worst(acts.by_mode[recompute], states.states[states.offloads.index(offload)], loads)
+            priced = Estimate(model=self.model, plan=plan, memory=memory, time=self.times.time(plan), world_size=self.hw.world_size)
+            self.feasible.append(priced)
+            if fastest_s is not None:
+                self._fastest_s[id(priced)] = fastest_s
+            step_s = priced.time.step_s
+            for heap, size in ((self._top_times, self.top), (reported, self.reported)):
+                heapq.heappush(heap, -step_s)
+                if len(heap) > size:
+                    heapq.heappop(heap)
+
+    def _misfit(self, fields: dict[str, int | bool], acts: _Activations, states: _States) -> None:
+        """Record the lightest variant of a family (the plan with these fields) that does not fit: its shortfall and largest term."""
+        plan = Plan(**fields, recompute=self.cons.recompute[-1], offload=states.offloads[-1])  # type: ignore[arg-type]
+        memory = self._worst(acts.by_mode[plan.recompute], states.states[-1], self.times.loads(plan.pp))  # == memory_estimate(model, hw, plan)
         short = memory.shortfall_bytes()
         if self.closest is None or short < self.closest[0]:
             self.closest = (short, memory, plan)
-        self.misfits.append((short, Rejection(plan=str(plan), reason=explain_misfit(memory) + " (and every larger mbs)")))
+        self.misfits.append((short, (plan, memory)))
         self.misfit_plans.append(plan)
-        return False
+
+    def refine_placements(self, ranked: list[Estimate]) -> list[Estimate]:
+        """Price other placements for the plans that could still enter the top ``top``.
+
+        A plan's time with every collective on the faster link is a lower bound over all placements;
+        plans whose bound is no better than the current top-th time keep the default placement.
+        """
+        threshold = ranked[min(self.top, len(ranked)) - 1].time.step_s
+        out = []
+        for candidate in ranked:
+            p = candidate.plan
+            if self._bound(p.tp, p.pp, p.vpp, p.mbs, p.gas) < threshold and (orders := self._alternatives(p)):
+                fastest_s = self._fastest_s.get(id(candidate))
+                if fastest_s is None:
+                    fastest_s = self.fastest.time(p).step_s
+                if fastest_s < threshold:
+                    candidate = self._best_placement(candidate, orders)
+            out.append(candidate)
+        return sorted(out, key=_rank_key)
+
+    def _best_placement(self, default: Estimate, orders: list[tuple[Axis, ...]]) -> Estimate:
+        """The fastest of the default and the other placements (the first of equally fast ones); placement moves no bytes."""
+        best_s, best = default.time.step_s, None
+        for order in orders:
+            other = self.times.time(default.plan, order)
+            if other.step_s < best_s:
+                best_s, best = other.step_s, (order, other)
+        if best is None:
+            return default
+        order, time = best
+        return Estimate(model=self.model, plan=default.plan.replace(order=order), memory=default.memory, time=time, world_size=self.hw.world_size)
 
 
 def plan(
@@ -389,8 +655,10 @@ def plan(
     """Rank every plan for ``model`` on ``cluster``; the keyword arguments are :class:`Constraints` fields.
 
     The top ``top`` plans are exact. Plans that provably cannot enter them (their step time with all
-    communication free is already slower) are counted but not priced, unless ``exhaustive`` (for
-    plots and benchmarks that want every candidate's estimate in ``all_feasible``).
+    communication free is already slower) are counted but not priced; neither are plans whose time
+    with every collective on the fastest link is slower than the ``top + max_rejected`` fastest
+    priced so far, which changes neither the top nor the runners-up reported. ``exhaustive`` prices
+    every candidate (for plots and benchmarks that want every estimate in ``all_feasible``).
 
     Raises NoFeasiblePlanError (naming the closest plan, its shortfall and what would help) when no
     candidate fits.
@@ -399,16 +667,16 @@ def plan(
         raise PlanError(f"top must be >= 1, got {top}")
     cons = constraints if constraints is not None else Constraints(**constraint_fields)  # type: ignore[arg-type]
     started = _clock.perf_counter()
-    search = _Search(model, cluster, cons, top=top, exhaustive=exhaustive)
+    search = _Search(model, cluster, cons, top=top, reported=top + max(max_rejected, 0), exhaustive=exhaustive)
     search.run()
     if not search.feasible:
         raise _nothing_fits(model, cluster, search)
     ranked = sorted(search.feasible, key=_rank_key)
     if cons.search_placement:
-        ranked = _refine_placements(model, search.hw, ranked, top)
+        ranked = search.refine_placements(ranked)
     best = ranked[0]
     slower = [Rejection(plan=str(e.plan), reason=_explain_slower(e, best)) for e in ranked[top : top + max_rejected]]
-    misfits = [r for _, r in sorted(search.misfits, key=lambda x: x[0])[:max_rejected]]
+    misfits = [_misfit_rejection(m) for _, m in sorted(search.misfits, key=lambda x: x[0])[:max_rejected]]
     return PlanResult(
         plans=tuple(ranked[:top]),
         rejected=tuple(slower + misfits),
