@@ -117,11 +117,12 @@ def allreduce_seconds(nbytes: int, device: torch.device) -> float:
     return _timed(run, 5)
 
 
-def _min_across_ranks(value: float, device: torch.device) -> float:
+def _across_ranks(value: float, device: torch.device, op: dist.ReduceOp.RedOpType = dist.ReduceOp.MIN) -> float:
+    """``value`` reduced over the live process group (MIN by default; itself without one)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return value
     t = torch.tensor([value], device=device, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    dist.all_reduce(t, op=op)
     return float(t.item())
 
 
@@ -129,7 +130,7 @@ def _device_spec(device: torch.device, shape: WorldShape) -> tuple[DeviceSpec, f
     """The measured device, and the matmul size at which it reaches half its large-matmul rate."""
     fits = {}
     for key, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        fits[key] = fit_saturation([(n, _min_across_ranks(matmul_rate(n, device, dtype), device)) for n in MATMUL_SIZES])
+        fits[key] = fit_saturation([(n, _across_ranks(matmul_rate(n, device, dtype), device)) for n in MATMUL_SIZES])
     peak = {key: rate / 1e12 for key, (rate, _) in fits.items()}
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
@@ -244,18 +245,18 @@ def framework_overheads(cluster: ClusterSpec, *, steps: int = 8, warmup: int = 2
         def on_train_batch_end(self, *args, **kwargs):  # type: ignore[no-untyped-def]
             self.ends.append(time.perf_counter())
 
+    accelerator = "gpu" if torch.cuda.is_available() else "cpu"
+    device = torch.device("cuda", torch.cuda.current_device()) if accelerator == "gpu" else torch.device("cpu")
+
     def median_step(zero: int, gas: int, offload: str = "none") -> float:
         clock = Clock()
         plan = f"dp={world},zero={zero},mbs=1,gas={gas},offload={offload}"
-        trainer = Trainer(accelerator=cluster_device(), devices=1, strategy=FleetStrategy(plan=plan, cluster=cluster, global_batch_size=world * gas),
+        trainer = Trainer(accelerator=accelerator, devices=1, strategy=FleetStrategy(plan=plan, cluster=cluster, global_batch_size=world * gas),
                           max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                           num_sanity_val_steps=0, limit_val_batches=0, callbacks=[clock])
         trainer.fit(Probe())
         gaps = sorted(b - a for a, b in zip(clock.ends[warmup:], clock.ends[warmup + 1 :]))
-        return _max_across_ranks(gaps[len(gaps) // 2])
-
-    def cluster_device() -> str:
-        return "gpu" if torch.cuda.is_available() else "cpu"
+        return _across_ranks(gaps[len(gaps) // 2], device, dist.ReduceOp.MAX)
 
     from lightning_fleet.profiling import profile_module
 
@@ -275,14 +276,6 @@ def framework_overheads(cluster: ClusterSpec, *, steps: int = 8, warmup: int = 2
                               offload_microbatch_s=(max(offloaded, 0.0), max(params, 0.0)))
 
 
-def _max_across_ranks(value: float) -> float:
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return value
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
-
-
 def measure_cluster(device: torch.device, shape: WorldShape, baseline_rss_bytes: float | None = None) -> ClusterSpec:
     """Microbenchmark the live job (every rank must call this together) and describe it.
 
@@ -292,8 +285,8 @@ def measure_cluster(device: torch.device, shape: WorldShape, baseline_rss_bytes:
     rss_gib = (psutil.Process().memory_info().rss if baseline_rss_bytes is None else baseline_rss_bytes) / GIB
     spec, half_dim = _device_spec(device, shape)
     link = _link(device, shape.world_size)
-    device_adam = _min_across_ranks(adam_params_per_s(device), device)
-    host_adam = device_adam if device.type == "cpu" else _min_across_ranks(adam_params_per_s(torch.device("cpu")), device)
+    device_adam = _across_ranks(adam_params_per_s(device), device)
+    host_adam = device_adam if device.type == "cpu" else _across_ranks(adam_params_per_s(torch.device("cpu")), device)
     return ClusterSpec(
         name=f"measured-{socket.gethostname()}",
         groups=(DeviceGroup(nodes=shape.num_nodes, devices_per_node=shape.local_world_size, device=spec),),
@@ -304,7 +297,7 @@ def measure_cluster(device: torch.device, shape: WorldShape, baseline_rss_bytes:
             matmul_efficiency=1.0,  # the measured peak already is the achieved large-matmul rate
             matmul_half_dim=round(half_dim, 2),
             overlap=0.8 if device.type == "cuda" else 0.0,
-            op_overhead_s=float(f"{_min_across_ranks(op_overhead_s(device), device):.3g}"),
+            op_overhead_s=float(f"{_across_ranks(op_overhead_s(device), device):.3g}"),
             adam_params_per_s=float(f"{device_adam:.3g}"),
             # an offloaded optimizer is the user's torch optimizer stepping on host tensors, every local rank at once
             cpu_adam_params_per_s=float(f"{min(host_adam, device_adam):.3g}") * shape.local_world_size,
@@ -343,10 +336,10 @@ def main(argv: list[str] | None = None) -> None:
     import deepspeed  # noqa: F401  (a training process has these loaded: the memory baseline must include them)
     import lightning.pytorch  # noqa: F401
 
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if args.device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if world > 1:
         dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
@@ -355,7 +348,7 @@ def main(argv: list[str] | None = None) -> None:
     cluster = measure_cluster(device, WorldShape(world_size=world, num_nodes=max(1, world // local), local_world_size=local), baseline)
     if not args.no_framework:
         cluster = with_framework_overheads(cluster)
-    if int(os.environ.get("RANK", 0)) == 0:
+    if int(os.environ.get("RANK", "0")) == 0:
         save_cache(cluster, Path(args.out))
         print(f"fleet calibrate: {args.out} written in {time.perf_counter() - started:.1f} s", flush=True)
     if world > 1:

@@ -64,7 +64,7 @@ def torchrun_argv(argv: Sequence[str]) -> list[str]:
     if not script:
         raise FleetError("fleet launch needs a training script, e.g. fleet launch --nproc-per-node=2 train.py")
     conf = _option(parsed, "rdzv-conf")
-    given = dict(item.split("=", 1) for item in conf[1].split(",") if "=" in item) if conf else {}
+    given = _rdzv_conf(parsed)
     attempts = int(given.get("keep_alive_max_attempt", MIN_KEEP_ALIVE_ATTEMPTS))
     if attempts < MIN_KEEP_ALIVE_ATTEMPTS:
         raise FleetError(
@@ -97,10 +97,14 @@ def _endpoint(argv: Sequence[str]) -> tuple[str, int | None] | None:
     return host, int(port) if port.isdigit() else None
 
 
+def _rdzv_conf(parsed: list[tuple[int, str, str, int]]) -> dict[str, str]:
+    """The key=value pairs of ``--rdzv-conf`` (empty when not given)."""
+    conf = _option(parsed, "rdzv-conf")
+    return dict(item.split("=", 1) for item in conf[1].split(",") if "=" in item) if conf else {}
+
+
 def _rdzv_seconds(argv: Sequence[str], key: str, default: int) -> int:
-    conf = _option(_parse_options(list(argv))[0], "rdzv-conf")
-    given = dict(item.split("=", 1) for item in conf[1].split(",") if "=" in item) if conf else {}
-    return int(given.get(key, default))
+    return int(_rdzv_conf(_parse_options(list(argv))[0]).get(key, default))
 
 
 def check_endpoint(argv: Sequence[str]) -> None:
