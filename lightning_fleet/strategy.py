@@ -288,9 +288,11 @@ class FleetStrategy(DeepSpeedStrategy):
         path = Path(checkpoint_path)
         if not (path / MANIFEST).is_file():
             return super().load_checkpoint(checkpoint_path, weights_only)
-        self._on_rank_zero(lambda: _check_checkpoint(path))
+        resharding = self._reshard is not None and path == self._auto_resume
+        if not resharding:  # a resharded checkpoint was verified and screened before its conversion
+            self._on_rank_zero(lambda: _check_checkpoint(path))
         manifest = json.loads((path / MANIFEST).read_text())
-        if self._reshard is not None and path == self._auto_resume:
+        if resharding:
             state = super().load_checkpoint(self._reshard, weights_only)  # universal: any dp, any ZeRO stage >= 1
             how = f"resharded from {manifest['world_size']} to {self.world_size} processes, {manifest['plan']} -> {self.plan}"
         elif manifest["world_size"] != self.world_size or manifest["plan"] != str(self.plan):
