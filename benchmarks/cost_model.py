@@ -9,8 +9,8 @@
    enumerated at one fixed global batch (ZeRO 0-3, offload, tp, pp, micro-batch, recomputation)
    and the ones predicted to fit are kept;
 3. each is trained for real through ``Trainer(strategy=FleetStrategy(plan=..., cluster=<file>))``
-   (one process group per world size runs them all in turn) and its step time and peak memory
-   are measured;
+   in processes forked from this one, twice (``--repeats``), in passes of alternating order, and
+   its step time (the faster run's median step) and peak memory are measured;
 4. RESULTS.md reports every plan and, overall, the median and worst relative error of step time
    and memory, Spearman's rank correlation and the regret of the planner's own choice.
 
@@ -138,20 +138,49 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def run_all(world: int, plans: list[tuple[str, str]], cluster: Path, *, steps: int, warmup: int, timeout_s: float, device: str) -> list[dict]:
-    """Train every (size, plan) on ``world`` processes forked from this one; each record is also appended to out/."""
-    from benchmarks.cost_model_worker import run_forked
+TIMED_S = 0.3
+"""Seconds of timed steps a plan gets per run, by its predicted step time (between ``TIMED_STEPS`` bounds)."""
+TIMED_STEPS = (3, 5)
+"""Fewest and most timed steps per run."""
 
+
+def timed_steps(predicted_step_s: float) -> int:
+    """How many steps of a plan to time in one run: ``TIMED_S`` worth by its prediction, at least 3 (a median) and at most 5."""
+    lo, hi = TIMED_STEPS
+    return min(hi, max(lo, math.ceil(TIMED_S / predicted_step_s)))
+
+
+def combine_runs(runs: list[dict]) -> dict:
+    """One plan's record from its runs: the fastest run's step time (on a shared 2-core VM a process is only ever slowed
+    down, by ±15-40 % between forks of the same plan), the largest peak memory, and the runs' spread; an error if any failed."""
+    failed = [r for r in runs if r["error"] or not math.isfinite(r["measured_step_s"])]
+    if failed:
+        return {**failed[0], "runs_step_s": [r["measured_step_s"] for r in runs]}
+    steps = [r["measured_step_s"] for r in runs]
+    return {**min(runs, key=lambda r: r["measured_step_s"]), "measured_peak_bytes": max(r["measured_peak_bytes"] for r in runs),
+            "runs_step_s": steps}
+
+
+def run_all(world: int, plans: list[Predicted], cluster: Path, *, repeats: int, warmup: int, timeout_s: float, device: str) -> list[dict]:
+    """Train every plan on ``world`` processes forked from this one, ``repeats`` times in passes of alternating order (a
+    slow spell of the machine then hits different plans each pass); each run is also appended to out/."""
+    from benchmarks.cost_model_worker import preload, run_forked
+
+    preload(device)
     out = OUT / f"measured-{world}.jsonl"
     out.unlink(missing_ok=True)
-    records = []
-    for i, (size, plan) in enumerate(plans, 1):
-        record = run_forked(size, plan, str(cluster), world=world, steps=steps, warmup=warmup, timeout_s=timeout_s, port=free_port(), device=device)
-        records.append(record)
-        with open(out, "a") as f:
-            f.write(json.dumps(record) + "\n")
-        print(f"[{world} proc. {i}/{len(plans)}] {size} {_short(plan)}: {record['measured_step_s']:.4f} s {record['error']}", flush=True)
-    return records
+    runs: dict[tuple[str, str], list[dict]] = {(p.size, p.plan): [] for p in plans}
+    for rep in range(repeats):
+        for i, p in enumerate(plans if rep % 2 == 0 else plans[::-1], 1):
+            steps = warmup + 1 + timed_steps(p.step_s)  # n + 1 step ends after the warm-up give n timed steps
+            record = run_forked(p.size, p.plan, str(cluster), world=world, steps=steps, warmup=warmup, timeout_s=timeout_s, port=free_port(),
+                                device=device)
+            runs[(p.size, p.plan)].append(record)
+            with open(out, "a") as f:
+                f.write(json.dumps(record) + "\n")
+            print(f"[{world} proc. pass {rep + 1}/{repeats}, {i}/{len(plans)}] {p.size} {_short(p.plan)}: {record['measured_step_s']:.4f} s "
+                  f"{record['error']}", flush=True)
+    return [combine_runs(r) for r in runs.values()]
 
 
 # --- the planner's view ------------------------------------------------------------------------------
@@ -239,6 +268,10 @@ def write_report(rows: list[dict], chosen: dict[tuple[str, int], str], clusters:
             f"- Spearman rank correlation of predicted vs measured step time, all plans: **{spearman([r['predicted_step_s'] for r in ok], [r['measured_step_s'] for r in ok]):.3f}** (target 0.9)",
             f"- peak memory ({'resident set' if 'CPU' in machine else 'max_memory_allocated'}): median relative error **{statistics.median(mem_err):.1%}**, worst **{max(mem_err):.1%}** (target 15 %)",
         ]
+        spread = [max(r["runs_step_s"]) / min(r["runs_step_s"]) - 1 for r in ok if len(r.get("runs_step_s", [])) > 1]
+        if spread:
+            lines.append(f"- measurement noise: {len(ok[0]['runs_step_s'])} runs of each plan (fresh processes, passes in alternating order) "
+                         f"differ by median **{statistics.median(spread):.1%}**, worst **{max(spread):.1%}**; the fastest run counts")
     lines += ["", "Per model size and world size:", "", "| size | world | plans | median err | worst err | Spearman | planner's choice | its measured step | best measured | regret |", "|---|---|---|---|---|---|---|---|---|---|"]
     for (size, world), choice in chosen.items():
         group = [r for r in ok if r["size"] == size and r["world"] == world]
@@ -310,8 +343,8 @@ def plot(rows: list[dict], path: Path, machine: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--worlds", default="1,2", help="world sizes (processes on this machine)")
-    parser.add_argument("--steps", type=int, default=8, help="optimizer steps per plan")
-    parser.add_argument("--warmup", type=int, default=2, help="steps not timed")
+    parser.add_argument("--repeats", type=int, default=2, help="runs per plan, each a fresh process; the fastest counts")
+    parser.add_argument("--warmup", type=int, default=1, help="steps not timed in each run")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: one GPU, nccl (benchmarks/gpu_check.sh)")
     parser.add_argument("--every", type=int, default=1, help="run every n-th plan only (a quick look; RESULTS.md is from --every 1)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "RESULTS.md"))
@@ -324,7 +357,7 @@ def main() -> None:
     rows = []
     for world in worlds:
         todo = [p for p in predictions if p.world == world and p.fits][:: args.every]
-        measured = run_all(world, [(p.size, p.plan) for p in todo], clusters[world], steps=args.steps, warmup=args.warmup, timeout_s=180,
+        measured = run_all(world, todo, clusters[world], repeats=args.repeats, warmup=args.warmup, timeout_s=180,
                            device=args.device)
         by_key = {(m["size"], m["plan"]): m for m in measured}
         for p in todo:

@@ -10,7 +10,8 @@ fails or hangs takes nothing else down. (CUDA is first touched in the children, 
 parent, so forking is safe there too.)
 
 The step time is the median of the steps after the warm-up ones (time between consecutive
-optimizer-step ends, the slowest rank); the peak memory is the largest rank's.
+optimizer-step ends, the slowest rank); the peak memory is the largest rank's. Each rank is pinned
+to one core (rank i to core i): the scheduler then never moves it mid-step.
 """
 
 from __future__ import annotations
@@ -27,6 +28,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import deepspeed  # noqa: E402,F401  (imported once here, not in every forked plan)
+
+try:  # DeepSpeed imports this (and with it torch.compile's inductor, ~3.5 s here) on every ZeRO engine's first start
+    import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: E402,F401
+except ImportError:  # a DeepSpeed without Muon: nothing to pre-import
+    pass
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from lightning.pytorch import Callback, Trainer, seed_everything  # noqa: E402
@@ -116,6 +122,15 @@ def run_plan(size: str, plan: str, cluster: str, steps: int, warmup: int, device
     return result
 
 
+def preload(device: str) -> None:
+    """Load in this (parent) process what every forked plan would otherwise load again: on CPU, DeepSpeed's shared-memory
+    collective op (~0.15 s a process). CUDA is not touched here: the children must be the first to."""
+    if device == "cpu":
+        from deepspeed.comm.torch import build_shm_op
+
+        build_shm_op()
+
+
 def run_forked(size: str, plan: str, cluster: str, *, world: int, steps: int, warmup: int, timeout_s: float, port: int, device: str = "cpu") -> dict:
     """Train ``plan`` on ``world`` forked processes; returns rank 0's record (an ``error`` when it failed or timed out)."""
     import select
@@ -127,6 +142,7 @@ def run_forked(size: str, plan: str, cluster: str, *, world: int, steps: int, wa
         pid = os.fork()
         if pid == 0:  # the child: one rank
             os.close(read)
+            os.sched_setaffinity(0, {rank % os.cpu_count()})  # one core per rank: no migrations between cores mid-step
             payload: dict
             try:
                 if world > 1:

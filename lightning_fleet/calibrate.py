@@ -96,7 +96,7 @@ def matmul_rate(n: int, device: torch.device, dtype: torch.dtype) -> float:
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    repeats = max(3, int(2e8 // (2 * n**3)))
+    repeats = max(10, int(1e9 // (2 * n**3)))  # ~1e9 FLOPs a size: a stable median
 
     def run() -> None:
         a @ b
@@ -161,6 +161,33 @@ def op_overhead_s(device: torch.device) -> float:
         sync()
 
     return _timed(run, 5) / 500
+
+
+ELEMENTWISE_ELEMENTS = (1 << 14, 1 << 16, 1 << 18, 1 << 20)
+"""Tensor sizes (elements) whose memory-bound operator times fit the per-element cost."""
+
+
+def elementwise_s(device: torch.device, width: int = 128) -> float:
+    """Seconds per output element of a transformer's operators that do no matmul -- LayerNorm, GELU, a residual add and
+    a softmax, forward, over [n / width, width] tensors: the slope of their time against their output elements
+    (least squares over ``ELEMENTWISE_ELEMENTS``; the intercept is dispatch, priced by ``op_overhead_s``)."""
+    import torch.nn.functional as F
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    points = []
+    for n in ELEMENTWISE_ELEMENTS:
+        x = torch.randn(n // width, width, device=device)
+        y = torch.randn_like(x)
+
+        def run() -> None:
+            F.layer_norm(x, (width,))
+            F.gelu(x)
+            x + y
+            torch.softmax(x, dim=-1)
+            sync()
+
+        points.append((4.0 * n, _timed(run, max(5, (1 << 24) // n))))
+    return max(least_squares_line([e for e, _ in points], [t for _, t in points])[1], 0.0)
 
 
 def adam_params_per_s(device: torch.device, params: int = 2_000_000, tensors: int = 40) -> float:
@@ -298,6 +325,7 @@ def measure_cluster(device: torch.device, shape: WorldShape, baseline_rss_bytes:
             matmul_half_dim=round(half_dim, 2),
             overlap=0.8 if device.type == "cuda" else 0.0,
             op_overhead_s=float(f"{_across_ranks(op_overhead_s(device), device):.3g}"),
+            elementwise_s=float(f"{_across_ranks(elementwise_s(device), device, dist.ReduceOp.MAX):.3g}"),
             adam_params_per_s=float(f"{device_adam:.3g}"),
             # an offloaded optimizer is the user's torch optimizer stepping on host tensors, every local rank at once
             cpu_adam_params_per_s=float(f"{min(host_adam, device_adam):.3g}") * shape.local_world_size,

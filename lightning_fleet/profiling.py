@@ -4,7 +4,8 @@ The module's parameters are swapped for meta tensors and its ``training_step`` r
 copy of an example batch. torch's FlopCounterMode counts the forward FLOPs and autograd's
 saved-tensor hooks see every tensor kept for backward; both are attributed to the block running at
 that moment: ``pre`` (everything before the first layer), each layer, ``post`` (everything after the
-last layer, the loss included). Forward FLOPs suffice: the cost model takes backward as 2x forward
+last layer, the loss included), and so are the output elements of the operators that do no matmul
+(the memory-bound rest: norms, activations, softmax, residual adds, copies). Forward FLOPs suffice: the cost model takes backward as 2x forward
 (Narayanan 2021), so no backward pass is run.
 
 Layers are the module's ``fleet_layers()`` (optional hook) or, without it, its largest
@@ -18,13 +19,14 @@ import dataclasses
 import re
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from lightning_fleet.planning import BlockSpec, FleetError, ModelSpec, Precision, Role
 from lightning_fleet.runtime.deepspeed_config import TensorParallelSpec
@@ -66,6 +68,7 @@ class _Phase:
     flops: float = 0.0
     saved: list[tuple[int, float]] = field(default_factory=list)  # (last dimension, bytes) per saved tensor
     output_bytes: float = 0.0
+    elementwise: float = 0.0  # output elements of the operators that do no matmul
 
     def split_bytes(self, hidden: int) -> tuple[float, float]:
         """(replicated, sharded) saved bytes: width-``hidden`` tensors stay whole under tp, wider ones are split."""
@@ -108,6 +111,9 @@ class _Recorder:
                 self.hidden, self.seq = out.shape[-1], (out.shape[1] if out.dim() >= 3 else 1)
         self._switch("post")
 
+    def add_elementwise(self, elements: int) -> None:
+        self._phase().elementwise += elements
+
     def module_pre(self, module: nn.Module, args: Any) -> None:
         self._phase().modules.add(self.names[id(module)])
 
@@ -123,16 +129,28 @@ class _Recorder:
         self._switch(self.current)
 
 
-class _OpCounter(TorchDispatchMode):
-    """Counts the operators a forward pass dispatches (each costs host time, whatever its size)."""
+_NO_DATA_MOVED = (torch.ops.aten._unsafe_view, torch.ops.aten.alias, torch.ops.aten.lift_fresh)
+"""Operators that return their input's storage (aliases not marked as views)."""
 
-    def __init__(self) -> None:
+
+class _OpCounter(TorchDispatchMode):
+    """Counts the operators a forward pass dispatches (each costs host time, whatever its size), and hands the
+    output elements of every operator that does no matmul to ``on_elementwise`` (memory-bound work: norms,
+    activations, softmax, adds, copies; views move no data and are not counted)."""
+
+    def __init__(self, on_elementwise: Callable[[int], None]) -> None:
         super().__init__()
         self.ops = 0
+        self.on_elementwise = on_elementwise
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         self.ops += 1
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket not in flop_registry and not func.is_view and func.overloadpacket not in _NO_DATA_MOVED:
+            elements = sum(t.numel() for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point())
+            if elements and any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves((args, kwargs))):
+                self.on_elementwise(elements)
+        return out
 
 
 def _meta_like(batch: Any) -> Any:
@@ -196,6 +214,7 @@ def _block(name: str, role: Role, phase: _Phase, params: int, hidden: int, sampl
         role=role,
         params=params,
         flops=phase.flops / samples,
+        elementwise=phase.elementwise / samples,
         act_replicated_bytes=replicated / samples,
         act_sharded_bytes=sharded / samples,
         output_bytes=(phase.output_bytes if output_bytes is None else output_bytes) / samples,
@@ -260,9 +279,9 @@ def profile_module(
     meta.update({n: torch.empty_like(b, device="meta") for n, b in module.named_buffers()})
     with ExitStack() as stack:
         counter = stack.enter_context(FlopCounterMode(display=False))
-        ops = stack.enter_context(_OpCounter())
         storages = {t.untyped_storage()._cdata for t in meta.values()}
         recorder = _Recorder(layers, names, counter, storages, precision.element_bytes / 4)
+        ops = stack.enter_context(_OpCounter(recorder.add_elementwise))
         handles = [m.register_forward_pre_hook(recorder.module_pre) for m in module.modules()]
         for layer in layers:
             handles.append(layer.register_forward_pre_hook(recorder.layer_pre))
@@ -283,7 +302,8 @@ def _to_model_spec(module, layers, recorder, tp, samples, global_batch_size, pre
     phases, hidden = recorder.phases, recorder.hidden
     pre, post = phases.pop("pre"), phases.pop("post")
     if not layers:  # no layer stack: the whole model is one layer (no pipeline, no recomputation)
-        whole = _Phase(modules=pre.modules | post.modules, flops=pre.flops + post.flops, saved=pre.saved + post.saved)
+        whole = _Phase(modules=pre.modules | post.modules, flops=pre.flops + post.flops, saved=pre.saved + post.saved,
+                       elementwise=pre.elementwise + post.elementwise)
         body = [_block(type(module).__name__, Role.LAYER, whole, sum(p.numel() for p in module.parameters()), hidden, samples)]
         pre, post = _Phase(), _Phase()
     else:

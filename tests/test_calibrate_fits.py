@@ -56,6 +56,7 @@ def test_fleet_calibrate_writes_a_cluster_for_two_processes(tmp_path):
     assert len(c.zero_step_overhead_s) == 4 and len(c.zero_tensor_overhead_s) == 4
     assert c.zero_tensor_overhead_s[3] > 0  # ZeRO-3's gathers cost time per tensor
     assert c.adam_params_per_s > 0 and c.op_overhead_s > 0 and c.memory_reserve_gib > 0.1
+    assert 1e-11 < c.elementwise_s < 1e-7  # memory-bound operators: ~1 ns an element on this CPU
 
 
 def test_fleet_calibrate_bad_process_count_is_one_line(capsys):
@@ -63,3 +64,14 @@ def test_fleet_calibrate_bad_process_count_is_one_line(capsys):
 
     assert main(["calibrate", "--out", "x.yaml", "--nproc-per-node", "0"]) == 2
     assert "--nproc-per-node must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_elementwise_s_is_the_slope_not_the_dispatch() -> None:
+    """The per-element cost of LayerNorm/GELU/add/softmax on this CPU: positive, well under a microsecond, and (being a
+    slope over sizes) not inflated by the per-call dispatch that op_overhead_s prices."""
+    import torch
+
+    from lightning_fleet.calibrate import elementwise_s
+
+    seconds = elementwise_s(torch.device("cpu"))
+    assert 1e-11 < seconds < 1e-7

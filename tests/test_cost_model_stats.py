@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from benchmarks import cost_model
 from benchmarks.cost_model import executable_plans, ranks, regret, relative_error, spearman
 from lightning_fleet.planning import parse_plan
 from lightning_fleet.runtime.deepspeed_config import runtime_constraints
@@ -38,3 +39,30 @@ def test_executable_plans_are_what_the_runtime_runs() -> None:
         assert plan.dp * plan.tp * plan.pp == 2 and plan.dp * plan.mbs * plan.gas == 4
         if plan.pp > 1:
             assert plan.zero <= allowed.max_zero_with_pp and plan.tp == 1 and str(plan.offload) == "none"
+
+
+def test_timed_steps_follow_the_prediction_within_bounds() -> None:
+    """0.3 s of timed steps by the predicted step time, at least 3 (a median) and at most 5."""
+    assert cost_model.timed_steps(0.01) == 5
+    assert cost_model.timed_steps(0.075) == 4  # ceil(0.3 / 0.075) = 4
+    assert cost_model.timed_steps(0.1) == 3
+    assert cost_model.timed_steps(2.0) == 3
+
+
+def test_combine_runs_keeps_the_fastest_time_and_the_largest_memory() -> None:
+    runs = [
+        {"measured_step_s": 0.12, "measured_peak_bytes": 100.0, "error": "", "step_samples": 3},
+        {"measured_step_s": 0.10, "measured_peak_bytes": 90.0, "error": "", "step_samples": 4},
+    ]
+    out = cost_model.combine_runs(runs)
+    assert out["measured_step_s"] == 0.10 and out["step_samples"] == 4
+    assert out["measured_peak_bytes"] == 100.0
+    assert out["runs_step_s"] == [0.12, 0.10]
+
+
+def test_combine_runs_reports_a_failed_run() -> None:
+    runs = [
+        {"measured_step_s": 0.12, "measured_peak_bytes": 100.0, "error": ""},
+        {"measured_step_s": float("nan"), "measured_peak_bytes": float("nan"), "error": "did not finish within 180 s"},
+    ]
+    assert cost_model.combine_runs(runs)["error"] == "did not finish within 180 s"

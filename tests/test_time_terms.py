@@ -100,6 +100,28 @@ def test_forward_s() -> None:
     assert forward_s(LOAD, mbs=1, tp=1, flops_per_s=2e14) == pytest.approx(5e-3, rel=REL)
 
 
+def test_forward_s_prices_memory_bound_elements() -> None:
+    """Output elements of operators without matmul cost elementwise_s each, split by tp like the FLOPs."""
+    load = _load(flops=1e12, elementwise=4e8)
+    # (1e12 / 1e14 + 4e8 * 1e-10) * 2 / 4 = (1e-2 + 4e-2) / 2 = 2.5e-2 s
+    assert forward_s(load, mbs=2, tp=4, flops_per_s=1e14, elementwise_s=1e-10) == pytest.approx(2.5e-2, rel=REL)
+    assert forward_s(load, mbs=2, tp=4, flops_per_s=1e14) == pytest.approx(5e-3, rel=REL)  # 0 s per element: FLOPs only
+
+
+@pytest.mark.parametrize(
+    ("recompute", "expected"),
+    [
+        (Recompute.NONE, 0.0),
+        (Recompute.SELECTIVE, 1e11 * 2 / 4 / 1e14),  # the attention core's FLOPs only: 5e-4 s
+        (Recompute.FULL, (8e11 / 1e14 + 3e8 * 1e-10) * 2 / 4),  # the layers' FLOPs and elements: 4e-3 + 1.5e-2 s
+    ],
+)
+def test_full_recompute_redoes_the_layers_elements(recompute: Recompute, expected: float) -> None:
+    """Full recomputation runs the layers' memory-bound operators again (not the pre/post blocks')."""
+    load = _load(flops=1e12, layer_flops=8e11, recompute_flops=1e11, elementwise=4e8, layer_elementwise=3e8)
+    assert recompute_s(load, mbs=2, tp=4, recompute=recompute, flops_per_s=1e14, elementwise_s=1e-10) == pytest.approx(expected, rel=REL)
+
+
 def test_backward_s() -> None:
     """Narayanan 2021 Sec. 5.1: backward = 2 * forward."""
     assert backward_s(5e-3) == pytest.approx(1e-2, rel=REL)

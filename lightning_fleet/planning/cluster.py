@@ -139,6 +139,9 @@ class Calibration:
     """Fixed framework time per micro-batch (engine bookkeeping), in seconds."""
     op_overhead_s: float = 0.0
     """Host time to dispatch one operator (Python + dispatcher + launch), in seconds; paid per operator of a micro-batch."""
+    elementwise_s: float = 0.0
+    """Device time per output element of an operator that does no matmul (norms, activations, softmax, adds: memory-bound),
+    in seconds; backward costs twice the forward. 0 (the default): folded into ``matmul_efficiency``."""
     zero_step_overhead_s: tuple[float, ...] = ()
     """Extra framework time per optimizer step at ZeRO stage 0, 1, 2, 3 (four values, or empty for none), in seconds."""
     zero_tensor_overhead_s: tuple[float, ...] = ()
@@ -188,6 +191,7 @@ class Calibration:
             step_overhead_s=self.step_overhead_s,
             microbatch_overhead_s=self.microbatch_overhead_s,
             op_overhead_s=self.op_overhead_s,
+            elementwise_s=self.elementwise_s,
             memory_reserve_fraction=self.memory_reserve_fraction,
             memory_reserve_gib=self.memory_reserve_gib,
         )

@@ -232,7 +232,7 @@ class TimeModel:
         key = (pp, load.index, mbs, tp)
         fwd = self._fwd.get(key)
         if fwd is None:
-            fwd = self._fwd[key] = tm.forward_s(load, mbs=mbs, tp=tp, flops_per_s=self.rate(mbs, tp))
+            fwd = self._fwd[key] = tm.forward_s(load, mbs=mbs, tp=tp, flops_per_s=self.rate(mbs, tp), elementwise_s=self.hw.calibration.elementwise_s)
         return fwd
 
     def time(self, plan: Plan, order: tuple[Axis, ...] | None = None) -> tm.TimeEstimate:
@@ -286,7 +286,8 @@ class TimeModel:
         pair = self._compute.get(key)
         if pair is None:
             fwd = self.forward_s(pp, load, mbs, tp)
-            bwd = tm.backward_s(fwd) + tm.recompute_s(load, mbs=mbs, tp=tp, recompute=recompute, flops_per_s=self.rate(mbs, tp))
+            bwd = tm.backward_s(fwd) + tm.recompute_s(load, mbs=mbs, tp=tp, recompute=recompute, flops_per_s=self.rate(mbs, tp),
+                                                      elementwise_s=self.hw.calibration.elementwise_s)
             pair = self._compute[key] = (fwd, bwd)
         return pair
 

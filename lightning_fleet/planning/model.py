@@ -69,6 +69,9 @@ class BlockSpec:
     """Parameters of one block; tensor parallelism divides them by tp."""
     flops: float
     """Forward FLOPs for one sample (multiply-add = 2 FLOPs); tensor parallelism divides them by tp."""
+    elementwise: float = 0.0
+    """Output elements per sample of the forward's operators that do no matmul (norms, activations, softmax, residual
+    adds, copies: memory-bound work priced by ``calibration.elementwise_s``); tensor parallelism divides them by tp."""
     act_replicated_bytes: float = 0.0
     """Saved bytes per sample that every tp rank keeps whole, unless sequence parallelism splits them."""
     act_sharded_bytes: float = 0.0
@@ -91,6 +94,7 @@ class BlockSpec:
             where,
             params=self.params,
             flops=self.flops,
+            elementwise=self.elementwise,
             act_replicated_bytes=self.act_replicated_bytes,
             act_sharded_bytes=self.act_sharded_bytes,
             act_attention_bytes=self.act_attention_bytes,
@@ -246,6 +250,13 @@ def layer_flops(s: int, h: int, f: int) -> float:
     return 2.0 * s * (4 * h * h + 2 * h * f) + 4.0 * s * s * h
 
 
+def layer_elementwise(s: int, h: int, f: int, a: int) -> float:
+    """Output elements of one layer's operators that do no matmul, one sample: two LayerNorms, two residual adds, the
+    attention output's re-layout, the Q and K scaling (s*h each), the activation (s*f), the causal mask and softmax over
+    the scores (2*a*s^2) -- what profiling the example GPT counts, less its mask construction."""
+    return 7.0 * s * h + s * f + 2.0 * a * s * s
+
+
 def layer_attention_flops(s: int, h: int) -> float:
     """Forward FLOPs of QK^T and scores*V for one sample, what selective recompute redoes (Korthikanti 2022, Sec. 5)."""
     return 4.0 * s * s * h
@@ -275,6 +286,7 @@ def transformer_model(spec: TransformerSpec) -> ModelSpec:
         role=Role.PRE,
         params=v * h + s * h,
         flops=0.0,
+        elementwise=2.0 * s * h,  # token + position lookups and their sum
         # Korthikanti 2022 Sec. 4.3: the embedding dropout mask, s*h bytes.
         act_replicated_bytes=float(s * h),
         output_bytes=float(e * s * h),
@@ -286,6 +298,7 @@ def transformer_model(spec: TransformerSpec) -> ModelSpec:
         count=spec.num_layers,
         params=layer_params(h, f),
         flops=layer_flops(s, h, f),
+        elementwise=layer_elementwise(s, h, f, a),
         act_replicated_bytes=layer_act_replicated_bytes(s, h, e),
         act_sharded_bytes=layer_act_sharded_bytes(s, h, f, e),
         act_attention_bytes=layer_act_attention_bytes(s, a, e),
@@ -299,6 +312,7 @@ def transformer_model(spec: TransformerSpec) -> ModelSpec:
         role=Role.POST,
         params=v * h + 2 * h,
         flops=2.0 * s * h * v,
+        elementwise=s * h + 2.0 * s * v,  # final LayerNorm, log-softmax and loss over the logits
         # Korthikanti 2022 Sec. 4.3: final LayerNorm input and projection input (e*s*h each),
         # fp32 logits for the cross entropy (4*s*V), the latter vocab-parallel.
         act_replicated_bytes=float(2 * e * s * h),

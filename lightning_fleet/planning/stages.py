@@ -25,6 +25,10 @@ class StageLoad:
     """Forward FLOPs per sample of all blocks."""
     layer_flops: float = 0.0
     """Forward FLOPs per sample of the layer blocks (redone by full recomputation)."""
+    elementwise: float = 0.0
+    """Forward output elements per sample of the operators that do no matmul, all blocks."""
+    layer_elementwise: float = 0.0
+    """The part of ``elementwise`` that belongs to layer blocks (redone by full recomputation)."""
     recompute_flops: float = 0.0
     """Forward FLOPs per sample redone by selective recomputation."""
     act_replicated_bytes: float = 0.0
@@ -90,6 +94,8 @@ def _stage(model: ModelSpec, pp: int, index: int) -> StageLoad:
         largest_block_params=max(b.params for b, _ in pairs),
         flops=_sum(pairs, "flops"),
         layer_flops=_sum(pairs, "flops", Role.LAYER),
+        elementwise=_sum(pairs, "elementwise"),
+        layer_elementwise=_sum(pairs, "elementwise", Role.LAYER),
         recompute_flops=_sum(pairs, "recompute_flops", Role.LAYER),
         act_replicated_bytes=_sum(pairs, "act_replicated_bytes"),
         act_sharded_bytes=_sum(pairs, "act_sharded_bytes"),

@@ -29,9 +29,10 @@ def achieved_flops_per_s(peak_flops_per_s: float, dim: float, calibration: Calib
     return peak_flops_per_s * calibration.matmul_efficiency * dim / (dim + calibration.matmul_half_dim)
 
 
-def forward_s(load: StageLoad, *, mbs: int, tp: int, flops_per_s: float) -> float:
-    """Forward compute of one micro-batch on one device of the stage."""
-    return load.flops * mbs / tp / flops_per_s
+def forward_s(load: StageLoad, *, mbs: int, tp: int, flops_per_s: float, elementwise_s: float = 0.0) -> float:
+    """Forward compute of one micro-batch on one device of the stage: its matmul FLOPs at the achieved rate and its
+    memory-bound operators' output elements at ``elementwise_s`` seconds each."""
+    return (load.flops / flops_per_s + load.elementwise * elementwise_s) * mbs / tp
 
 
 def backward_s(forward_time_s: float) -> float:
@@ -39,12 +40,14 @@ def backward_s(forward_time_s: float) -> float:
     return 2.0 * forward_time_s
 
 
-def recompute_s(load: StageLoad, *, mbs: int, tp: int, recompute: Recompute, flops_per_s: float) -> float:
-    """Recomputation is hardware FLOPs (Narayanan 2021): full redoes the layers' forward, selective the attention core (Korthikanti 2022)."""
+def recompute_s(load: StageLoad, *, mbs: int, tp: int, recompute: Recompute, flops_per_s: float, elementwise_s: float = 0.0) -> float:
+    """Recomputation is hardware FLOPs (Narayanan 2021): full redoes the layers' forward (its memory-bound operators
+    too), selective the attention core (Korthikanti 2022)."""
     if recompute is Recompute.NONE:
         return 0.0
-    flops = load.layer_flops if recompute is Recompute.FULL else load.recompute_flops
-    return flops * mbs / tp / flops_per_s
+    if recompute is Recompute.FULL:
+        return (load.layer_flops / flops_per_s + load.layer_elementwise * elementwise_s) * mbs / tp
+    return load.recompute_flops * mbs / tp / flops_per_s
 
 
 def tp_comm_s(load: StageLoad, *, mbs: int, tp: int, recompute: Recompute, link: LinkSpec) -> float:
