@@ -62,13 +62,20 @@ def least_squares_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
 def fit_saturation(points: list[tuple[float, float]]) -> tuple[float, float]:
     """Fit r(d) = peak * d / (d + half) to measured (d, rate) points; returns (peak, half).
 
-    1/r = 1/peak + (half/peak) * (1/d) is a line in 1/d, fitted by least squares. A rate that
-    does not grow with size (slope <= 0) is flat: (fastest rate, 0).
+    1/r = 1/peak + (half/peak) * (1/d) is a line in 1/d, fitted by least squares. When that line
+    has no positive peak (the rate still climbs steeply at the largest size) or does not fall, the
+    peak is the fastest rate measured and only ``half`` is fitted (a line through the origin of
+    1/r - 1/peak against 1/d); a rate that does not grow with size is flat: (fastest rate, 0).
     """
-    intercept, slope = least_squares_line([1 / d for d, _ in points], [1 / r for _, r in points])
-    if slope <= 0 or intercept <= 0:
-        return max(r for _, r in points), 0.0
-    return 1 / intercept, slope / intercept
+    xs, ys = [1 / d for d, _ in points], [1 / r for _, r in points]
+    intercept, slope = least_squares_line(xs, ys)
+    if slope > 0 and intercept > 0:
+        return 1 / intercept, slope / intercept
+    peak = max(r for _, r in points)
+    if slope <= 0:
+        return peak, 0.0
+    excess = [max(y - 1 / peak, 0.0) for y in ys]
+    return peak, peak * sum(x * e for x, e in zip(xs, excess)) / sum(x * x for x in xs)
 
 
 def fit_alpha_beta(points: list[tuple[float, float]], n: int) -> tuple[float, float]:
@@ -106,15 +113,21 @@ def matmul_rate(n: int, device: torch.device, dtype: torch.dtype) -> float:
 
 
 def allreduce_seconds(nbytes: int, device: torch.device) -> float:
-    """Median time of an all-reduce of ``nbytes`` on the default process group."""
+    """Mean time of an all-reduce of ``nbytes`` on the default process group.
+
+    The mean, not the median: a training step runs many collectives and pays each one's actual
+    time, and on a shared machine those times are heavy-tailed (4 KiB on this VM's gloo: median
+    0.9-2.6 ms, 75th percentile 3-4 ms, minimum 0.4 ms), so the expected time is what adds up.
+    """
     t = torch.zeros(max(1, nbytes // 4), device=device)
-
-    def run() -> None:
+    repeats = 40 if nbytes <= 65536 else 10
+    dist.all_reduce(t)  # warm-up
+    start = time.perf_counter()
+    for _ in range(repeats):
         dist.all_reduce(t)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-
-    return _timed(run, 5)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) / repeats
 
 
 def _across_ranks(value: float, device: torch.device, op: dist.ReduceOp.RedOpType = dist.ReduceOp.MIN) -> float:
@@ -237,9 +250,10 @@ class FrameworkOverheads:
 
 def framework_overheads(cluster: ClusterSpec, *, steps: int = 8, warmup: int = 2, accumulation: int = 4) -> FrameworkOverheads:
     """Train a probe model (``PROBE_LAYERS`` Linear(16, 16)) through FleetStrategy at every ZeRO stage with 1 and with
-    ``accumulation`` micro-batches per step; the step time's growth per micro-batch is the micro-batch overhead and the
-    rest the step overhead (minus the probe's own operator dispatch, which the model prices separately). Every rank of
-    the live process group must call this together."""
+    ``accumulation`` micro-batches per step. What the cost model already prices for the probe on ``cluster`` (its
+    compute, operator dispatch, collectives, optimizer step, offload transfers: the estimate with no framework
+    constants) is taken off each measured step; of the rest, the growth per micro-batch is the micro-batch overhead
+    and the remainder the step overhead. Every rank of the live process group must call this together."""
     import logging
 
     from lightning.pytorch import LightningModule, Trainer
@@ -285,20 +299,31 @@ def framework_overheads(cluster: ClusterSpec, *, steps: int = 8, warmup: int = 2
         gaps = sorted(b - a for a, b in zip(clock.ends[warmup:], clock.ends[warmup + 1 :]))
         return _across_ranks(gaps[len(gaps) // 2], device, dist.ReduceOp.MAX)
 
+    from lightning_fleet.planning import estimate, parse_plan
     from lightning_fleet.profiling import profile_module
 
-    ops = profile_module(Probe(), torch.zeros(1, 16), global_batch_size=1).forward_ops
-    probe_ops_s = 3 * ops * cluster.calibration.op_overhead_s  # the model prices operator dispatch separately
+    spec = profile_module(Probe(), torch.zeros(1, 16), global_batch_size=1)
+    unpriced = cluster.with_calibration(dataclasses.replace(
+        cluster.calibration, step_overhead_s=0.0, microbatch_overhead_s=0.0, zero_step_overhead_s=(), zero_tensor_overhead_s=(),
+        offload_tensor_overhead_s=()))
+
+    def excess(zero: int, gas: int, offload: str = "none") -> float:
+        """Measured step time of the probe beyond what the model prices without framework constants."""
+        batch = world * gas
+        plan = parse_plan(f"dp={world},zero={zero},mbs=1,gas={gas},offload={offload}", global_batch_size=batch)
+        priced = estimate(dataclasses.replace(spec, global_batch_size=batch), unpriced, plan).time.step_s
+        return median_step(zero, gas, offload) - priced
+
     step, micro = [], []
     for zero in range(4):
-        one, many = median_step(zero, 1), median_step(zero, accumulation)
-        per_micro = max((many - one) / (accumulation - 1) - probe_ops_s, 0.0)
+        one, many = excess(zero, 1), excess(zero, accumulation)
+        per_micro = max((many - one) / (accumulation - 1), 0.0)
         micro.append(per_micro)
-        step.append(max(one - per_micro - probe_ops_s, 0.0))
-    # offload: the whole extra step time of the probe (host copies and bookkeeping per parameter tensor), per
-    # micro-batch, against the same stage without offload; the model prices its bytes and host Adam separately
-    offloaded = (median_step(2, accumulation, "optimizer") - median_step(2, accumulation)) / accumulation
-    params = (median_step(3, accumulation, "optimizer+params") - median_step(3, accumulation)) / accumulation
+        step.append(max(one - per_micro, 0.0))
+    # offload: the extra unpriced time of the probe (host copies and bookkeeping per parameter tensor), per micro-batch,
+    # against the same stage without offload
+    offloaded = (excess(2, accumulation, "optimizer") - excess(2, accumulation)) / accumulation
+    params = (excess(3, accumulation, "optimizer+params") - excess(3, accumulation)) / accumulation
     return FrameworkOverheads(step_s=tuple(step), microbatch_s=tuple(micro), probe_tensors=2 * PROBE_LAYERS,
                               offload_microbatch_s=(max(offloaded, 0.0), max(params, 0.0)))
 

@@ -29,6 +29,18 @@ def test_fit_saturation_flat_rate() -> None:
     assert fit_saturation([(64, 2e10), (512, 1.5e10)]) == (2e10, 0.0)
 
 
+def test_fit_saturation_still_climbing() -> None:
+    """Rates that grow faster than the curve allows (no positive peak in the line fit): the peak is the fastest rate
+    measured and the half size is the least-squares one through the origin of 1/r - 1/peak against 1/d."""
+    points = [(32, 1e9), (64, 4e9), (128, 1.6e10)]
+    peak, half = fit_saturation(points)
+    xs = [1 / 32, 1 / 64, 1 / 128]
+    excess = [1 / 1e9 - 1 / 1.6e10, 1 / 4e9 - 1 / 1.6e10, 0.0]
+    assert peak == 1.6e10
+    assert half == pytest.approx(1.6e10 * sum(x * e for x, e in zip(xs, excess)) / sum(x * x for x in xs), rel=1e-12)
+    assert half > 0
+
+
 def test_fit_alpha_beta_recovers_the_ring_model() -> None:
     """t = 2(n-1) a + 2(n-1)/n B b with n = 4, a = 50 us, b = 1e-9 s/B: 6 a + 1.5 B b."""
     alpha, beta = 50e-6, 1e-9
