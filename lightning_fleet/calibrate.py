@@ -103,13 +103,15 @@ def matmul_rate(n: int, device: torch.device, dtype: torch.dtype) -> float:
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    repeats = max(10, int(1e9 // (2 * n**3)))  # ~1e9 FLOPs a size: a stable median
 
     def run() -> None:
         a @ b
         sync()
 
-    return 2 * n**3 / _timed(run, repeats)
+    start = time.perf_counter()
+    run()
+    once = time.perf_counter() - start
+    return 2 * n**3 / _timed(run, max(5, min(5000, int(0.05 / max(once, 1e-7)))))  # ~50 ms a size: a stable median
 
 
 def allreduce_seconds(nbytes: int, device: torch.device) -> float:

@@ -5,8 +5,8 @@ copy of an example batch. torch's FlopCounterMode counts the forward FLOPs and a
 saved-tensor hooks see every tensor kept for backward; both are attributed to the block running at
 that moment: ``pre`` (everything before the first layer), each layer, ``post`` (everything after the
 last layer, the loss included), and so are the output elements of the operators that do no matmul
-(the memory-bound rest: norms, activations, softmax, residual adds, copies). Forward FLOPs suffice: the cost model takes backward as 2x forward
-(Narayanan 2021), so no backward pass is run.
+(the memory-bound rest: norms, activations, softmax, residual adds, copies). The forward suffices:
+the cost model takes backward as 2x forward (Narayanan 2021), so no backward pass is run.
 
 Layers are the module's ``fleet_layers()`` (optional hook) or, without it, its largest
 ``nn.ModuleList``/``nn.Sequential`` child. ``fleet_tensor_parallel()`` (optional hook) gives the
