@@ -32,8 +32,9 @@ from lightning_fleet.planning import (
 from lightning_fleet.planning.cluster import GIB
 from lightning_fleet.planning.yamlspec import read_yaml
 
-MATMUL_SIZES = (32, 64, 128, 256, 512)
-"""Square matmul sizes whose rates fit the saturating efficiency curve."""
+MATMUL_SHAPES = ((32, 32), (128, 32), (64, 64), (256, 64), (128, 128), (512, 128), (256, 256), (1024, 256), (512, 512))
+"""(tokens, width) of the layer GEMMs [tokens x width] @ [width x width] whose rates fit the saturating efficiency curve
+against the edge of their volume's cube (the size the cost model prices a layer's GEMMs at)."""
 ALLREDUCE_BYTES = (4096, 65536, 1024 * 1024, 8 * 1024 * 1024)
 """All-reduce message sizes whose times fit the ring model's latency and bandwidth."""
 
@@ -62,20 +63,31 @@ def least_squares_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
 def fit_saturation(points: list[tuple[float, float]]) -> tuple[float, float]:
     """Fit r(d) = peak * d / (d + half) to measured (d, rate) points; returns (peak, half).
 
-    1/r = 1/peak + (half/peak) * (1/d) is a line in 1/d, fitted by least squares. When that line
-    has no positive peak (the rate still climbs steeply at the largest size) or does not fall, the
-    peak is the fastest rate measured and only ``half`` is fitted (a line through the origin of
-    1/r - 1/peak against 1/d); a rate that does not grow with size is flat: (fastest rate, 0).
+    Least squares in relative error, sum(((r(d) - rate) / rate) ** 2), as the cost model's errors
+    are relative: for a given ``half`` the best ``peak`` is closed-form, and ``half`` is searched
+    on a log grid over 0 and 1 ... 1e5, then refined by golden section around the best grid point.
+    A rate that does not grow with size fits best at half = 0 (flat).
     """
-    xs, ys = [1 / d for d, _ in points], [1 / r for _, r in points]
-    intercept, slope = least_squares_line(xs, ys)
-    if slope > 0 and intercept > 0:
-        return 1 / intercept, slope / intercept
-    peak = max(r for _, r in points)
-    if slope <= 0:
-        return peak, 0.0
-    excess = [max(y - 1 / peak, 0.0) for y in ys]
-    return peak, peak * sum(x * e for x, e in zip(xs, excess)) / sum(x * x for x in xs)
+
+    def best_peak(half: float) -> tuple[float, float]:
+        g = [d / (d + half) / r for d, r in points]  # model shape over the measured rate
+        peak = sum(g) / sum(x * x for x in g)
+        return sum((peak * x - 1) ** 2 for x in g), peak
+
+    grid = [0.0] + [10 ** (k / 40) for k in range(201)]
+    i = min(range(len(grid)), key=lambda k: best_peak(grid[k])[0])
+    lo, hi = grid[max(i - 1, 0)], grid[min(i + 1, len(grid) - 1)]
+    ratio = (5**0.5 - 1) / 2
+    for _ in range(100):
+        a, b = hi - ratio * (hi - lo), lo + ratio * (hi - lo)
+        if best_peak(a)[0] <= best_peak(b)[0]:
+            hi = b
+        else:
+            lo = a
+    half = (lo + hi) / 2
+    if best_peak(0.0)[0] <= best_peak(half)[0]:
+        half = 0.0
+    return best_peak(half)[1], half
 
 
 def fit_alpha_beta(points: list[tuple[float, float]], n: int) -> tuple[float, float]:
@@ -98,10 +110,11 @@ def _timed(fn, repeats: int) -> float:
     return samples[len(samples) // 2]
 
 
-def matmul_rate(n: int, device: torch.device, dtype: torch.dtype) -> float:
-    """FLOP/s of an n x n x n matmul on ``device``."""
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
+def matmul_rate(tokens: int, width: int, device: torch.device, dtype: torch.dtype, dispatch_s: float = 0.0) -> float:
+    """FLOP/s of a [tokens x width] @ [width x width] matmul (a layer's GEMM) on ``device``, without ``dispatch_s`` of
+    host time per call (the cost model prices operator dispatch separately: ``op_overhead_s``)."""
+    a = torch.randn(tokens, width, device=device, dtype=dtype)
+    b = torch.randn(width, width, device=device, dtype=dtype)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def run() -> None:
@@ -111,7 +124,8 @@ def matmul_rate(n: int, device: torch.device, dtype: torch.dtype) -> float:
     start = time.perf_counter()
     run()
     once = time.perf_counter() - start
-    return 2 * n**3 / _timed(run, max(5, min(5000, int(0.05 / max(once, 1e-7)))))  # ~50 ms a size: a stable median
+    seconds = _timed(run, max(5, min(5000, int(0.05 / max(once, 1e-7)))))  # ~50 ms a shape: a stable median
+    return 2 * tokens * width * width / max(seconds - dispatch_s, seconds / 10)
 
 
 def allreduce_seconds(nbytes: int, device: torch.device) -> float:
@@ -141,11 +155,13 @@ def _across_ranks(value: float, device: torch.device, op: dist.ReduceOp.RedOpTyp
     return float(t.item())
 
 
-def _device_spec(device: torch.device, shape: WorldShape) -> tuple[DeviceSpec, float]:
-    """The measured device, and the matmul size at which it reaches half its large-matmul rate."""
+def _device_spec(device: torch.device, shape: WorldShape, dispatch_s: float) -> tuple[DeviceSpec, float]:
+    """The measured device, and the matmul size at which it reaches half its large-matmul rate (``dispatch_s``: the
+    per-operator host time, taken off each GEMM's time)."""
     fits = {}
     for key, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        fits[key] = fit_saturation([(n, _across_ranks(matmul_rate(n, device, dtype), device)) for n in MATMUL_SIZES])
+        fits[key] = fit_saturation([((t * w * w) ** (1 / 3), _across_ranks(matmul_rate(t, w, device, dtype, dispatch_s), device))
+                                    for t, w in MATMUL_SHAPES])
     peak = {key: rate / 1e12 for key, (rate, _) in fits.items()}
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
@@ -337,7 +353,8 @@ def measure_cluster(device: torch.device, shape: WorldShape, baseline_rss_bytes:
     DeepSpeed) is the runtime reserve: ``baseline_rss_bytes`` when given, else this process' RSS now.
     """
     rss_gib = (psutil.Process().memory_info().rss if baseline_rss_bytes is None else baseline_rss_bytes) / GIB
-    spec, half_dim = _device_spec(device, shape)
+    dispatch_s = float(f"{_across_ranks(op_overhead_s(device), device):.3g}")
+    spec, half_dim = _device_spec(device, shape, dispatch_s)
     link = _link(device, shape.world_size)
     device_adam = _across_ranks(adam_params_per_s(device), device)
     host_adam = device_adam if device.type == "cpu" else _across_ranks(adam_params_per_s(torch.device("cpu")), device)
@@ -351,7 +368,7 @@ def measure_cluster(device: torch.device, shape: WorldShape, baseline_rss_bytes:
             matmul_efficiency=1.0,  # the measured peak already is the achieved large-matmul rate
             matmul_half_dim=round(half_dim, 2),
             overlap=0.8 if device.type == "cuda" else 0.0,
-            op_overhead_s=float(f"{_across_ranks(op_overhead_s(device), device):.3g}"),
+            op_overhead_s=dispatch_s,
             elementwise_s=float(f"{_across_ranks(elementwise_s(device), device, dist.ReduceOp.MAX):.3g}"),
             adam_params_per_s=float(f"{device_adam:.3g}"),
             # an offloaded optimizer is the user's torch optimizer stepping on host tensors, every local rank at once

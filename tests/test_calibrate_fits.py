@@ -25,20 +25,26 @@ def test_fit_saturation_recovers_peak_and_half_size() -> None:
 
 
 def test_fit_saturation_flat_rate() -> None:
-    """A rate that falls with size (no saturation to fit): the fastest rate, half size 0."""
-    assert fit_saturation([(64, 2e10), (512, 1.5e10)]) == (2e10, 0.0)
+    """A rate that falls with size (no saturation to fit): half size 0 and the peak that minimises the relative
+    errors, sum((p / r - 1)^2) -> p = sum(1/r) / sum(1/r^2)."""
+    peak, half = fit_saturation([(64, 2e10), (512, 1.5e10)])
+    assert half == 0.0
+    assert peak == pytest.approx((1 / 2e10 + 1 / 1.5e10) / (1 / 2e10**2 + 1 / 1.5e10**2), rel=1e-12)
 
 
-def test_fit_saturation_still_climbing() -> None:
-    """Rates that grow faster than the curve allows (no positive peak in the line fit): the peak is the fastest rate
-    measured and the half size is the least-squares one through the origin of 1/r - 1/peak against 1/d."""
-    points = [(32, 1e9), (64, 4e9), (128, 1.6e10)]
+def test_fit_saturation_minimises_the_relative_errors() -> None:
+    """On rates the curve cannot follow exactly (a sharp knee), the fit is the least-squares one in relative error:
+    moving the peak by 1 % or the half size by 5 % either way only makes sum(((r(d) - rate) / rate)^2) larger."""
+    points = [(32, 7.9e9), (51, 26.2e9), (64, 38.5e9), (102, 58.7e9), (128, 61.8e9), (203, 69.2e9), (256, 71.5e9), (406, 72e9), (512, 72e9)]
+
+    def objective(peak: float, half: float) -> float:
+        return sum((peak * d / (d + half) / rate - 1) ** 2 for d, rate in points)
+
     peak, half = fit_saturation(points)
-    xs = [1 / 32, 1 / 64, 1 / 128]
-    excess = [1 / 1e9 - 1 / 1.6e10, 1 / 4e9 - 1 / 1.6e10, 0.0]
-    assert peak == 1.6e10
-    assert half == pytest.approx(1.6e10 * sum(x * e for x, e in zip(xs, excess)) / sum(x * x for x in xs), rel=1e-12)
     assert half > 0
+    best = objective(peak, half)
+    for p, h in ((peak * 1.01, half), (peak * 0.99, half), (peak, half * 1.05), (peak, half * 0.95)):
+        assert objective(p, h) > best
 
 
 def test_fit_alpha_beta_recovers_the_ring_model() -> None:
