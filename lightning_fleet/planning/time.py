@@ -19,8 +19,9 @@ from lightning_fleet.planning.stages import StageLoad
 
 
 def gemm_dim(*, mbs: int, seq_length: int, hidden_size: int, tp: int) -> float:
-    """Edge of the cube with the volume of one device's typical layer GEMM, [tokens x h] @ [h x h/tp]: the size the
-    square-matmul microbenchmark measured at that efficiency (all three dimensions matter, most on small GEMMs)."""
+    """Edge of the cube with the volume of one device's typical layer GEMM, [tokens x h] @ [h x h/tp]: the size
+    `fleet calibrate` fits the efficiency curve against (it times GEMMs of that shape; all three dimensions matter,
+    most on small GEMMs)."""
     return (mbs * seq_length * hidden_size * hidden_size / tp) ** (1.0 / 3.0)
 
 
