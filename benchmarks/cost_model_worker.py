@@ -39,6 +39,7 @@ from lightning.pytorch import Callback, Trainer, seed_everything  # noqa: E402
 
 import lightning_fleet  # noqa: E402
 import lightning_fleet.strategy  # noqa: E402,F401
+from lightning_fleet.calibrate import across_ranks  # noqa: E402
 from benchmarks.cost_model_sizes import DATA_BYTES, GLOBAL_BATCH, SIZES  # noqa: E402
 from examples.gpt.data import StdlibText  # noqa: E402
 from examples.gpt.model import GPT  # noqa: E402
@@ -64,12 +65,10 @@ def _rss_kib(field: str) -> int:
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
-def _gather_max(value: float) -> float:
-    if not (dist.is_available() and dist.is_initialized()):
-        return value
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
+def _gather_max(value: float, device: str) -> float:
+    """The largest ``value`` over the ranks (on the GPU under nccl, which reduces no CPU tensor)."""
+    return across_ranks(value, torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu"),
+                         dist.ReduceOp.MAX)
 
 
 def run_plan(size: str, plan: str, cluster: str, steps: int, warmup: int, device: str = "cpu") -> dict:
@@ -98,9 +97,9 @@ def run_plan(size: str, plan: str, cluster: str, steps: int, warmup: int, device
         error = f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
         traceback.print_exc()
     times = clock.step_times(warmup)
-    step_s = _gather_max(statistics.median(times) if times and not error else float("nan"))
+    step_s = _gather_max(statistics.median(times) if times and not error else float("nan"), device)
     # CPU: the process' resident high-water mark; GPU: what the caching allocator handed out at most
-    peak = _gather_max(torch.cuda.max_memory_allocated() if device == "cuda" else _rss_kib("VmHWM") * 1024)
+    peak = _gather_max(torch.cuda.max_memory_allocated() if device == "cuda" else _rss_kib("VmHWM") * 1024, device)
     estimate = trainer.strategy.estimate
     result = {
         "size": size,
@@ -109,7 +108,7 @@ def run_plan(size: str, plan: str, cluster: str, steps: int, warmup: int, device
         "measured_step_s": step_s,
         "step_samples": len(times),
         "measured_peak_bytes": peak,
-        "rss_before_bytes": _gather_max(rss_before),
+        "rss_before_bytes": _gather_max(rss_before, device),
         "error": error,
     }
     if estimate is not None:

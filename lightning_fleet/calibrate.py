@@ -98,6 +98,11 @@ def fit_alpha_beta(points: list[tuple[float, float]], n: int) -> tuple[float, fl
     return alpha, beta
 
 
+def _synchronizer(device: torch.device):  # type: ignore[no-untyped-def]
+    """What waits for ``device``'s queued work: ``torch.cuda.synchronize`` on a GPU, nothing on the CPU."""
+    return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+
 def _timed(fn, repeats: int) -> float:
     """Median seconds of ``fn`` after one warm-up call."""
     fn()
@@ -115,7 +120,7 @@ def matmul_rate(tokens: int, width: int, device: torch.device, dtype: torch.dtyp
     host time per call (the cost model prices operator dispatch separately: ``op_overhead_s``)."""
     a = torch.randn(tokens, width, device=device, dtype=dtype)
     b = torch.randn(width, width, device=device, dtype=dtype)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = _synchronizer(device)
 
     def run() -> None:
         a @ b
@@ -141,12 +146,11 @@ def allreduce_seconds(nbytes: int, device: torch.device) -> float:
     start = time.perf_counter()
     for _ in range(repeats):
         dist.all_reduce(t)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    _synchronizer(device)()
     return (time.perf_counter() - start) / repeats
 
 
-def _across_ranks(value: float, device: torch.device, op: dist.ReduceOp.RedOpType = dist.ReduceOp.MIN) -> float:
+def across_ranks(value: float, device: torch.device, op: dist.ReduceOp.RedOpType = dist.ReduceOp.MIN) -> float:
     """``value`` reduced over the live process group (MIN by default; itself without one)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return value
@@ -160,7 +164,7 @@ def _device_spec(device: torch.device, shape: WorldShape, dispatch_s: float) -> 
     per-operator host time, taken off each GEMM's time)."""
     fits = {}
     for key, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        fits[key] = fit_saturation([((t * w * w) ** (1 / 3), _across_ranks(matmul_rate(t, w, device, dtype, dispatch_s), device))
+        fits[key] = fit_saturation([((t * w * w) ** (1 / 3), across_ranks(matmul_rate(t, w, device, dtype, dispatch_s), device))
                                     for t, w in MATMUL_SHAPES])
     peak = {key: rate / 1e12 for key, (rate, _) in fits.items()}
     if device.type == "cuda":
@@ -184,7 +188,7 @@ def _link(device: torch.device, world_size: int) -> LinkSpec:
 def op_overhead_s(device: torch.device) -> float:
     """Host time to dispatch one tiny operator (its compute is negligible)."""
     t = torch.zeros(1, device=device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = _synchronizer(device)
 
     def run() -> None:
         for _ in range(500):
@@ -204,7 +208,7 @@ def elementwise_s(device: torch.device, width: int = 128) -> float:
     (least squares over ``ELEMENTWISE_ELEMENTS``; the intercept is dispatch, priced by ``op_overhead_s``)."""
     import torch.nn.functional as F
 
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = _synchronizer(device)
     points = []
     for n in ELEMENTWISE_ELEMENTS:
         x = torch.randn(n // width, width, device=device)
@@ -227,7 +231,7 @@ def adam_params_per_s(device: torch.device, params: int = 2_000_000, tensors: in
     for w in weights:
         w.grad = torch.randn_like(w)
     optimizer = torch.optim.AdamW(weights, lr=1e-3)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = _synchronizer(device)
 
     def run() -> None:
         optimizer.step()
@@ -240,10 +244,11 @@ def _host_copy_GBps(device: torch.device) -> float:
     src = torch.empty(64 * 1024 * 1024, dtype=torch.uint8)
     dst = torch.empty_like(src, device=device)
 
+    sync = _synchronizer(device)
+
     def run() -> None:
         dst.copy_(src)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        sync()
 
     return src.numel() / _timed(run, 3) / 1e9
 
@@ -315,7 +320,7 @@ def framework_overheads(cluster: ClusterSpec, *, steps: int = 8, warmup: int = 2
                           num_sanity_val_steps=0, limit_val_batches=0, callbacks=[clock])
         trainer.fit(Probe())
         gaps = sorted(b - a for a, b in zip(clock.ends[warmup:], clock.ends[warmup + 1 :]))
-        return _across_ranks(gaps[len(gaps) // 2], device, dist.ReduceOp.MAX)
+        return across_ranks(gaps[len(gaps) // 2], device, dist.ReduceOp.MAX)
 
     from lightning_fleet.planning import estimate, parse_plan
     from lightning_fleet.profiling import profile_module
@@ -332,16 +337,17 @@ def framework_overheads(cluster: ClusterSpec, *, steps: int = 8, warmup: int = 2
         priced = estimate(dataclasses.replace(spec, global_batch_size=batch), unpriced, plan).time.step_s
         return median_step(zero, gas, offload) - priced
 
-    step, micro = [], []
+    step, micro, many = [], [], []
     for zero in range(4):
-        one, many = excess(zero, 1), excess(zero, accumulation)
-        per_micro = max((many - one) / (accumulation - 1), 0.0)
+        one = excess(zero, 1)
+        many.append(excess(zero, accumulation))
+        per_micro = max((many[zero] - one) / (accumulation - 1), 0.0)
         micro.append(per_micro)
         step.append(max(one - per_micro, 0.0))
     # offload: the extra unpriced time of the probe (host copies and bookkeeping per parameter tensor), per micro-batch,
     # against the same stage without offload
-    offloaded = (excess(2, accumulation, "optimizer") - excess(2, accumulation)) / accumulation
-    params = (excess(3, accumulation, "optimizer+params") - excess(3, accumulation)) / accumulation
+    offloaded = (excess(2, accumulation, "optimizer") - many[2]) / accumulation
+    params = (excess(3, accumulation, "optimizer+params") - many[3]) / accumulation
     return FrameworkOverheads(step_s=tuple(step), microbatch_s=tuple(micro), probe_tensors=2 * PROBE_LAYERS,
                               offload_microbatch_s=(max(offloaded, 0.0), max(params, 0.0)))
 
@@ -353,11 +359,11 @@ def measure_cluster(device: torch.device, shape: WorldShape, baseline_rss_bytes:
     DeepSpeed) is the runtime reserve: ``baseline_rss_bytes`` when given, else this process' RSS now.
     """
     rss_gib = (psutil.Process().memory_info().rss if baseline_rss_bytes is None else baseline_rss_bytes) / GIB
-    dispatch_s = float(f"{_across_ranks(op_overhead_s(device), device):.3g}")
+    dispatch_s = float(f"{across_ranks(op_overhead_s(device), device):.3g}")
     spec, half_dim = _device_spec(device, shape, dispatch_s)
     link = _link(device, shape.world_size)
-    device_adam = _across_ranks(adam_params_per_s(device), device)
-    host_adam = device_adam if device.type == "cpu" else _across_ranks(adam_params_per_s(torch.device("cpu")), device)
+    device_adam = across_ranks(adam_params_per_s(device), device)
+    host_adam = device_adam if device.type == "cpu" else across_ranks(adam_params_per_s(torch.device("cpu")), device)
     return ClusterSpec(
         name=f"measured-{socket.gethostname()}",
         groups=(DeviceGroup(nodes=shape.num_nodes, devices_per_node=shape.local_world_size, device=spec),),
@@ -369,7 +375,7 @@ def measure_cluster(device: torch.device, shape: WorldShape, baseline_rss_bytes:
             matmul_half_dim=round(half_dim, 2),
             overlap=0.8 if device.type == "cuda" else 0.0,
             op_overhead_s=dispatch_s,
-            elementwise_s=float(f"{_across_ranks(elementwise_s(device), device, dist.ReduceOp.MAX):.3g}"),
+            elementwise_s=float(f"{across_ranks(elementwise_s(device), device, dist.ReduceOp.MAX):.3g}"),
             adam_params_per_s=float(f"{device_adam:.3g}"),
             # an offloaded optimizer is the user's torch optimizer stepping on host tensors, every local rank at once
             cpu_adam_params_per_s=float(f"{min(host_adam, device_adam):.3g}") * shape.local_world_size,

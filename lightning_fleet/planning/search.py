@@ -549,8 +549,8 @@ class _Search:
             fitting = acts.fits.get(zero)
             if fitting is None:
                 fitting = acts.fits[zero] = table.fitting(states, acts.signature)
+            fields = {"dp": layout.dp, "tp": tp, "pp": pp, "zero": zero, "mbs": mbs, "gas": acts.gas, "sp": sp, "vpp": vpp}
             if not fitting:
-                fields = {"dp": layout.dp, "tp": tp, "pp": pp, "zero": zero, "mbs": mbs, "gas": acts.gas, "sp": sp, "vpp": vpp}
                 self._misfit(fields, acts, states)
                 candidates += family * (len(mbs_values) - i)
                 break
@@ -562,7 +562,6 @@ class _Search:
                     acts.bound = self._bound(tp, pp, vpp, mbs, acts.gas)
                 if acts.bound >= -top_times[0]:
                     continue
-            fields = {"dp": layout.dp, "tp": tp, "pp": pp, "zero": zero, "mbs": mbs, "gas": acts.gas, "sp": sp, "vpp": vpp}
             self._price(fields, fitting, acts, states)
         self.candidates += candidates
         self.feasible_count += feasible
