@@ -1,41 +1,69 @@
 """Register the ``fleet`` strategy names in Lightning's StrategyRegistry without importing Lightning early.
 
-``import lightning_fleet`` must make ``Trainer(strategy="fleet")`` work, yet the planning core and
-the ``fleet`` command must not pay Lightning's import time (seconds). So: if ``lightning.pytorch``
-is already imported, register now; otherwise register the moment it finishes importing, through a
-one-shot meta-path finder that wraps the loader of ``lightning.pytorch``.
+``import lightning_fleet`` must make ``Trainer(strategy="fleet")`` work in both Lightning namespaces
+(``lightning.pytorch`` and ``pytorch_lightning``), in any import order, yet the planning core and the
+``fleet`` command must not pay Lightning's import time (seconds). So: if a namespace is already
+imported, register now; otherwise register the moment it finishes importing, through a one-shot
+meta-path finder that wraps its loader.
+
+What is registered is a small factory per name, not the strategy class: the class is imported only
+when a Trainer asks for it (Lightning's registry calls ``entry["strategy"](**init_params)``). Importing
+the strategy inside Lightning's own import would re-enter modules that are still initialising (the
+circular ImportError of ``from lightning_fleet import FleetCheckpoint, FleetStrategy`` before Lightning).
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
 import sys
 from types import ModuleType
+from typing import Any, Callable
 
-_TARGET = "lightning.pytorch"
-_done = False
+NAMESPACES = {"lightning.pytorch": "lightning_fleet", "pytorch_lightning": "lightning_fleet.pl"}
+"""Lightning namespace -> the lightning_fleet package whose FleetStrategy subclasses that namespace's classes."""
+
+PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
+    "fleet": ("lightning_fleet: profile, plan and train the best layout", {}),
+    "fleet_zero3": ("lightning_fleet restricted to ZeRO stage 3", {"zero_stages": (3,)}),
+    "fleet_offload": ("lightning_fleet with optimizer/parameter offload to host memory", {"require_offload": True}),
+}
+"""Registered name -> (description, FleetStrategy keyword arguments)."""
+
+_registered: set[str] = set()
 
 
-def register_now() -> None:
-    """Register FleetStrategy's names (idempotent)."""
-    global _done
-    if _done:
+def strategy_factory(package: str) -> Callable[..., Any]:
+    """A callable that builds ``<package>.FleetStrategy(**kwargs)``, importing it only when called."""
+
+    def make_fleet_strategy(**kwargs: Any) -> Any:
+        return importlib.import_module(package).FleetStrategy(**kwargs)
+
+    return make_fleet_strategy
+
+
+def register_now(namespace: str) -> None:
+    """Register the preset names in ``namespace``'s StrategyRegistry (idempotent)."""
+    if namespace in _registered:
         return
-    from lightning.pytorch.strategies import StrategyRegistry
-
-    from lightning_fleet.strategy import FleetStrategy
-
-    FleetStrategy.register_strategies(StrategyRegistry)
-    _done = True
+    registry = importlib.import_module(f"{namespace}.strategies").StrategyRegistry
+    factory = strategy_factory(NAMESPACES[namespace])
+    for name, (description, init_params) in PRESETS.items():
+        if name not in registry:
+            registry.register(name, factory, description=description, **init_params)
+    _registered.add(namespace)
 
 
 class _AfterLightningImport(importlib.abc.MetaPathFinder):
-    """Finds ``lightning.pytorch`` with the other finders and registers once its module has executed."""
+    """Finds a Lightning namespace with the other finders and registers once its module has executed."""
+
+    def __init__(self, namespace: str) -> None:
+        self.namespace = namespace
 
     def find_spec(self, fullname: str, path: object, target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
-        if fullname != _TARGET:
+        if fullname != self.namespace:
             return None
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec(fullname)
@@ -45,15 +73,16 @@ class _AfterLightningImport(importlib.abc.MetaPathFinder):
 
         def exec_module(module: ModuleType) -> None:
             original(module)
-            register_now()
+            register_now(fullname)
 
         spec.loader.exec_module = exec_module  # type: ignore[method-assign]
         return spec
 
 
 def install() -> None:
-    """Register now if Lightning is loaded, else as soon as it is."""
-    if _TARGET in sys.modules:
-        register_now()
-    elif not any(isinstance(f, _AfterLightningImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _AfterLightningImport())
+    """Register now in every Lightning namespace already loaded, else as soon as it is."""
+    for namespace in NAMESPACES:
+        if namespace in sys.modules:
+            register_now(namespace)
+        elif not any(isinstance(f, _AfterLightningImport) and f.namespace == namespace for f in sys.meta_path):
+            sys.meta_path.insert(0, _AfterLightningImport(namespace))

@@ -50,14 +50,14 @@ def run(cmd: list[str], env: dict[str, str], timeout: float = 600) -> subprocess
     return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
 
 
-def run_worker(tmp: Path, *args: str, torchrun: bool = False, timeout: float = 600) -> tuple[list[dict], str]:
-    """Run the training worker (Lightning's launcher, or torchrun) and load its results."""
+def run_worker(tmp: Path, *args: str, torchrun: bool = False, timeout: float = 600, worker: Path = WORKER) -> tuple[list[dict], str]:
+    """Run a worker script (the training worker by default; Lightning's launcher, or torchrun) and load its results."""
     out = tmp / f"result-{free_port()}.pt"
     env = worker_env(tmp)
     if torchrun:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1", f"--master-port={env['MASTER_PORT']}", str(WORKER)]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1", f"--master-port={env['MASTER_PORT']}", str(worker)]
     else:
-        cmd = [sys.executable, str(WORKER)]
+        cmd = [sys.executable, str(worker)]
     done = run([*cmd, *args, "--out", str(out)], env, timeout)
     assert done.returncode == 0, done.stdout[-6000:]
     import torch

@@ -168,6 +168,9 @@ class FleetCheckpoint(Callback):
             "plan": str(plan) if plan is not None else None,
             "global_batch_size": plan.global_batch_size if plan is not None else None,
         }
+        facts = getattr(trainer.strategy, "checkpoint_facts", None)
+        if callable(facts):  # what a resume must keep: model structure, data-order seed (elastic/compatibility.py)
+            meta.update({k: v for k, v in facts().items() if k != "global_batch_size"})
         write_atomic(tmp / MANIFEST, json.dumps(build_manifest(tmp, meta), indent=1, sort_keys=True))
         if final.exists():  # left by a save that renamed but died before moving `latest`: same step, replace it
             shutil.rmtree(final)

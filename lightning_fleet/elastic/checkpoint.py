@@ -157,6 +157,25 @@ def prune(dirpath: Path, keep: int, protect: Iterable[Path]) -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
+SET_ASIDE = "set-aside"
+"""Subdirectory of a checkpoint dir that holds checkpoints moved out of the way (never resumed, never pruned)."""
+
+
+def set_aside(dirpath: Path, checkpoint: Path) -> Path:
+    """Move a committed checkpoint into ``dirpath/set-aside/`` (a new name if taken) and drop ``latest`` if it named it."""
+    target_dir = dirpath / SET_ASIDE
+    target_dir.mkdir(exist_ok=True)
+    target, n = target_dir / checkpoint.name, 1
+    while target.exists():
+        target, n = target_dir / f"{checkpoint.name}.{n}", n + 1
+    checkpoint.rename(target)
+    hint = dirpath / LATEST
+    if hint.is_file() and hint.read_text().strip() == checkpoint.name:
+        hint.unlink()
+    fsync_path(dirpath)
+    return target
+
+
 def remove_abandoned(dirpath: Path) -> None:
     """Delete temporary directories of saves that never committed."""
     if dirpath.is_dir():

@@ -1,0 +1,101 @@
+"""FleetProgress: what a FleetStrategy job shows while it trains and when it ends (rank 0 only).
+
+Every ``Trainer(log_every_n_steps)`` optimizer steps, when the Trainer has no progress bar, one line:
+
+    lightning_fleet: step 30/60  loss 2.413  0.271 s/step (predicted 0.275, 0.99x)  eta 8 s
+
+and at the end of training, progress bar or not, a summary: steps and samples, wall time, measured
+against predicted step time, the plan, the last loss, and where the checkpoints are.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from typing import Any, Mapping
+
+import torch
+from lightning.pytorch import Callback
+
+
+def loss_of(outputs: Any, metrics: Mapping[str, Any]) -> float | None:
+    """The step's loss: the training_step output's loss, else a logged metric named like a loss; None if neither."""
+    value = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+    if not isinstance(value, torch.Tensor):
+        value = next((v for k, v in metrics.items() if "loss" in k and "val" not in k), None)
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return float(value.detach().float())
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+class FleetProgress(Callback):
+    """Progress lines and an end-of-training summary for a FleetStrategy fit (added by the strategy; rank 0 prints)."""
+
+    def __init__(self) -> None:
+        self.step_seconds: list[float] = []
+        """Wall time between consecutive optimizer steps of this fit (data loading included)."""
+        self.last_loss: float | None = None
+        """Rank 0's loss at the last step."""
+        self._started = 0.0
+        self._last = 0.0
+        self._first_step = 0
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self.step_seconds, self.last_loss = [], None
+        self._started = self._last = time.perf_counter()
+        self._first_step = trainer.global_step
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        now = time.perf_counter()
+        self.step_seconds.append(now - self._last)
+        self._last = now
+        self.last_loss = loss_of(outputs, trainer.callback_metrics)
+        every = max(1, int(trainer.log_every_n_steps or 50))
+        if trainer.is_global_zero and trainer.progress_bar_callback is None and trainer.global_step % every == 0:
+            print(self._line(trainer), flush=True)
+
+    def _measured(self) -> float | None:
+        """Median step time, leaving out the first step (warm-up: allocation, first collectives)."""
+        steady = self.step_seconds[1:] or self.step_seconds
+        return statistics.median(steady[-50:]) if steady else None
+
+    def _versus_prediction(self, trainer: Any) -> str:
+        measured = self._measured()
+        estimate = getattr(trainer.strategy, "estimate", None)
+        if measured is None:
+            return ""
+        if estimate is None:
+            return f"{measured:.3g} s/step"
+        predicted = estimate.time.step_s
+        return f"{measured:.3g} s/step (predicted {predicted:.3g}, {measured / predicted:.2f}x)"
+
+    def _line(self, trainer: Any) -> str:
+        parts = [f"lightning_fleet: step {trainer.global_step}" + (f"/{trainer.max_steps}" if trainer.max_steps > 0 else "")]
+        if self.last_loss is not None and math.isfinite(self.last_loss):
+            parts.append(f"loss {self.last_loss:.4g}")
+        parts.append(self._versus_prediction(trainer))
+        measured = self._measured()
+        if trainer.max_steps > 0 and measured is not None:
+            parts.append(f"eta {max(0, trainer.max_steps - trainer.global_step) * measured:.0f} s")
+        return "  ".join(p for p in parts if p)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if not trainer.is_global_zero:
+            return
+        steps = trainer.global_step - self._first_step
+        plan = getattr(trainer.strategy, "plan", None)
+        samples = f" ({steps * plan.global_batch_size} samples)" if plan is not None else ""
+        lines = [f"lightning_fleet: trained {steps} steps{samples} in {time.perf_counter() - self._started:.1f} s: {self._versus_prediction(trainer)}"]
+        if plan is not None:
+            lines.append(f"  plan     {plan}")
+        if self.last_loss is not None:
+            lines.append(f"  loss     {self.last_loss:.4g} at step {trainer.global_step}")
+        resumed = getattr(trainer.strategy, "resumed_from", None)
+        if resumed is not None:
+            lines.append(f"  resumed  from {resumed}")
+        for callback in trainer.callbacks:
+            saved = getattr(callback, "saved", None)
+            if saved:
+                lines.append(f"  saved    {saved[-1]} (newest of {len(saved)} saved by this run)")
+        print("\n".join(lines), flush=True)

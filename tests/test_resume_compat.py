@@ -1,0 +1,93 @@
+"""Automatic resume only into a checkpoint of the same job: model structure, global batch and data-order seed are recorded
+in the manifest and compared before anything is loaded; a mismatch is one line (or, if asked, the checkpoint is set aside)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from lightning.pytorch import Trainer, seed_everything
+
+import lightning_fleet
+from examples.gpt.data import StdlibText
+from examples.gpt.model import GPT
+from lightning_fleet.elastic.checkpoint import MANIFEST, SET_ASIDE, committed
+from lightning_fleet.elastic.compatibility import incompatibility, job_facts
+from lightning_fleet.planning import FleetError
+
+
+@pytest.fixture(autouse=True)
+def restore_environment():
+    """An in-process Trainer writes RANK, LOCAL_RANK, MASTER_PORT, PL_* into os.environ: undo it for later tests."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def fit(tmp_path, layers: int = 2, seed: int = 0, steps: int = 2, **strategy_kwargs) -> Trainer:
+    seed_everything(seed)
+    strategy = lightning_fleet.FleetStrategy(checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every_n_steps=1, **strategy_kwargs)
+    trainer = Trainer(
+        accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+    )
+    trainer.fit(GPT(num_layers=layers, hidden_size=32, num_heads=4, seq_length=32), StdlibText(seq_length=32, batch_size=4, limit_bytes=20_000))
+    return trainer
+
+
+def test_manifest_records_the_job_and_the_same_job_resumes(tmp_path):
+    first = fit(tmp_path)
+    manifest = json.loads((committed(tmp_path / "ckpt")[0] / MANIFEST).read_text())
+    assert manifest["model"]["sha256"] == first.strategy.checkpoint_facts()["model"]["sha256"]
+    assert manifest["data_seed"] == 0 and manifest["global_batch_size"] == 4
+    again = fit(tmp_path, steps=3)
+    assert again.strategy.resumed_from == committed(tmp_path / "ckpt")[1] and again.global_step == 3
+
+
+@pytest.mark.parametrize(
+    "change,words",
+    [
+        (dict(layers=3), "this module has 'blocks.2."),
+        (dict(seed=1), "its data order was seeded with 0, this job seeds it with 1"),
+        (dict(global_batch_size=8), "trained with global batch size 4, this job asks for 8"),
+    ],
+)
+def test_a_changed_job_is_refused_in_one_line(tmp_path, change, words):
+    fit(tmp_path)
+    with pytest.raises(FleetError) as err:
+        fit(tmp_path, steps=3, **change)
+    message = str(err.value)
+    assert "\n" not in message and words in message and "resume='if_compatible'" in message
+
+
+def test_if_compatible_sets_the_other_jobs_checkpoints_aside_and_starts_fresh(tmp_path):
+    fit(tmp_path)
+    old = committed(tmp_path / "ckpt")
+    trainer = fit(tmp_path, layers=3, resume="if_compatible")
+    assert trainer.strategy.resumed_from is None and trainer.global_step == 2
+    assert sorted(p.name for p in (tmp_path / "ckpt" / SET_ASIDE).iterdir()) == sorted(p.name for p in old)
+    restarted = fit(tmp_path, layers=3, steps=3, resume="if_compatible")  # its own checkpoints are compatible
+    assert restarted.strategy.resumed_from is not None and restarted.global_step == 3
+
+
+def test_never_starts_fresh_and_keeps_the_old_checkpoints(tmp_path):
+    fit(tmp_path)
+    trainer = fit(tmp_path, steps=1, resume="never")
+    assert trainer.strategy.resumed_from is None and trainer.global_step == 1
+    assert len(list((tmp_path / "ckpt" / SET_ASIDE).iterdir())) == 2
+
+
+def test_bad_resume_policy_is_one_line():
+    with pytest.raises(FleetError, match="resume='sometimes'"):
+        lightning_fleet.FleetStrategy(resume="sometimes")
+
+
+def test_facts_compare_shapes_dtypes_and_missing_tensors():
+    a = job_facts(GPT(num_layers=2, hidden_size=32, num_heads=4, seq_length=32), global_batch_size=8, data_seed=0)
+    wider = job_facts(GPT(num_layers=2, hidden_size=64, num_heads=4, seq_length=32), global_batch_size=8, data_seed=0)
+    assert incompatibility(a, a) == ""
+    assert "'tok.weight' is 256x32 float32 in the checkpoint but 256x64 float32 in this module" in incompatibility(a, wider)
+    assert incompatibility({"step": 3}, a) == ""  # a manifest from before facts were recorded
+    assert incompatibility(a, {**a, "global_batch_size": None}) == ""  # the job does not fix it
