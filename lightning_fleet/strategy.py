@@ -15,15 +15,20 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Mapping
 
-import torch
-from lightning.fabric.utilities.seed import reset_seed
+from lightning_fleet import noise
+
+noise.install()  # before DeepSpeed is first imported: its accelerator banner comes at import time
+
+import torch  # noqa: E402
+from lightning.fabric.utilities.seed import reset_seed  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_fleet import calibrate
 from lightning_fleet.elastic.callback import FleetCheckpoint, set_rng_state
-from lightning_fleet.elastic.checkpoint import MANIFEST, newest_verified, refuse_unsafe_pickles, verify
+from lightning_fleet.elastic.checkpoint import MANIFEST, committed, newest_verified, refuse_unsafe_pickles, set_aside, verify
+from lightning_fleet.elastic.compatibility import RESUME_POLICIES, incompatibility, job_facts
 from lightning_fleet.elastic.reshard import make_universal
 from lightning_fleet.elastic.sampler import GlobalBatchSampler, MicroBatchCollate, MicroBatches
 from lightning_fleet.planning import (
@@ -42,9 +47,11 @@ from lightning_fleet.planning import (
 )
 from lightning_fleet.planning import plan as search_plans
 from lightning_fleet.planning.cluster import GIB
+from lightning_fleet.progress import FleetProgress
+from lightning_fleet.registration import PRESETS
 from lightning_fleet.profiling import find_layers, profile_module, tensor_parallel_hook
 from lightning_fleet.runtime.deepspeed_config import deepspeed_config, runtime_constraints
-from lightning_fleet.runtime.pipeline import build_pipeline, evaluate, local_optimizer, micro_batch_iterator, pipeline_hook
+from lightning_fleet.runtime.pipeline import build_pipeline, local_optimizer, micro_batch_iterator, pipeline_hook, sync_stage_weights
 
 _PRECISIONS = {
     "32-true": Precision.FP32,
@@ -78,6 +85,16 @@ class FleetStrategy(DeepSpeedStrategy):
         checkpoint_every_n_steps: its step interval.
         checkpoint_every_n_seconds: its time interval.
         timeout: collective timeout, so a dead peer fails the job instead of hanging it.
+        micro_batch_size: fix the micro-batch size (samples per forward/backward per data-parallel replica); the
+            planner chooses the rest. Pin it when the loss depends on the micro-batch (BatchNorm, in-batch negatives,
+            a summed loss): it is then also kept when a resized job re-plans. None: the planner chooses (and keeps the
+            training DataLoader's batch size when profiling finds the loss depends on the micro-batch).
+        resume: what a fit without ``ckpt_path`` does with the newest checkpoint in ``checkpoint_dir``: ``"auto"``
+            resumes it and refuses (one line) one written by another model, global batch or data-order seed;
+            ``"if_compatible"`` resumes the newest compatible one and moves incompatible ones aside (into
+            ``<dir>/set-aside/``); ``"never"`` starts fresh and moves existing checkpoints aside (nothing is deleted).
+        progress: print one line of progress (step, loss, measured vs predicted step time) every
+            ``Trainer(log_every_n_steps)`` steps on rank 0 when the progress bar is off, and a summary at the end.
     """
 
     strategy_name = "fleet"
@@ -97,6 +114,9 @@ class FleetStrategy(DeepSpeedStrategy):
         checkpoint_every_n_steps: int | None = None,
         checkpoint_every_n_seconds: float | None = None,
         timeout: timedelta = timedelta(minutes=10),
+        micro_batch_size: int | None = None,
+        resume: str = "auto",
+        progress: bool = True,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -111,8 +131,11 @@ class FleetStrategy(DeepSpeedStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        if global_batch_size is not None and global_batch_size < 1:
-            raise FleetError(f"FleetStrategy(global_batch_size={global_batch_size}): must be a positive integer")
+        for name, value in (("global_batch_size", global_batch_size), ("micro_batch_size", micro_batch_size)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise FleetError(f"FleetStrategy({name}={value!r}): must be a positive integer or None")
+        if resume not in RESUME_POLICIES:
+            raise FleetError(f"FleetStrategy(resume={resume!r}): must be one of {', '.join(map(repr, RESUME_POLICIES))}")
         self.forced_plan = plan
         self.global_batch_size = global_batch_size
         self.cluster_source = cluster
@@ -137,8 +160,17 @@ class FleetStrategy(DeepSpeedStrategy):
         """The cluster planned for (measured or given)."""
         self.startup_s: dict[str, float] = {}
         """Seconds spent profiling, reading/measuring the cluster and planning (incl. broadcast) at setup."""
+        self.micro_batch_size = micro_batch_size
+        self.resume = resume
+        self.progress = progress
+        self.profile: Profile | None = None
+        """How the module was measured (method, fallbacks, what it means for the plan)."""
+        self._facts: dict[str, Any] | None = None
+        self._restorers: list[Any] = []
         self._shuffle = True
-        self._pipeline_evaluated = False
+        self._engine: Any = None  # the DeepSpeed engine of the running fit (None before, and once released)
+        self._module_record: Any = None  # what restore_module needs to hand the user's module back
+        self._training_precision: Any = None  # DeepSpeed's precision plugin while an evaluation uses a plain one
         self._step_started: float | None = None
         self._step_times: list[float] = []
 
@@ -206,17 +238,116 @@ class FleetStrategy(DeepSpeedStrategy):
             # Lightning's (batch, batch_idx) arguments; our sampler gives every tp rank the same
             # dp slice (dp_rank = rank // tp), which the tests check instead.
             check.remove()
+        self._engine = engine
         return engine, ds_optimizer
+
+    def _init_optimizers(self) -> tuple[Any, Any]:
+        """DeepSpeed drives one optimizer (and one optional scheduler): refuse more before training, in one line."""
+        from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
+
+        optimizers, schedulers = _init_optimizers_and_lr_schedulers(self.lightning_module)
+        if len(optimizers) != 1 or len(schedulers) > 1:
+            raise FleetError(
+                f"{type(self.lightning_module).__name__}.configure_optimizers() returns {len(optimizers)} optimizers and "
+                f"{len(schedulers)} schedulers; strategy 'fleet' trains through DeepSpeed, which drives exactly one optimizer and "
+                "at most one scheduler: combine the parameter groups into one optimizer (or use another strategy)"
+            )
+        return optimizers[0], schedulers[0] if schedulers else None
+
+    def teardown(self) -> None:
+        """Undo what this strategy changed on the user's module for training (gradient zeroing, recomputation wrappers,
+        the pipeline's manual stepping); the engine itself stays until an evaluation or another fit needs the module."""
+        self._undo_module_patches()
+        super().teardown()
+
+    def _patch(self, obj: Any, name: str, value: Any) -> None:
+        """Set ``obj.name = value`` for this fit, remembering how to undo it."""
+        had = name in vars(obj)
+        self._restorers.append((obj, name, had, vars(obj).get(name)))
+        setattr(obj, name, value)
+
+    def _undo_module_patches(self) -> None:
+        while self._restorers:
+            obj, name, had, old = self._restorers.pop()
+            if had:
+                setattr(obj, name, old)
+            else:
+                delattr(obj, name)
 
     # --- profile -> plan -> apply ---------------------------------------------------------------
 
     def setup(self, trainer) -> None:  # type: ignore[no-untyped-def]
         """Plan (rank 0 decides, every rank applies the same plan), then let DeepSpeed set up."""
         if trainer.state.fn == TrainerFn.FITTING:
+            self._facts = job_facts(self.lightning_module, global_batch_size=self.global_batch_size, data_seed=_sampler_seed())
             self._attach_checkpointing(trainer)
+            if self.progress and not any(isinstance(c, FleetProgress) for c in trainer.callbacks):
+                trainer.callbacks.append(FleetProgress())
             self._choose_plan(trainer)
             self._prepare_reshard()
-        super().setup(trainer)
+            self._use_training_precision()
+            super().setup(trainer)
+        else:
+            self._setup_evaluation(trainer)
+
+    # --- validate / test / predict outside fit: whole-model replicas, no engine -------------------
+
+    def _setup_evaluation(self, trainer) -> None:  # type: ignore[no-untyped-def]
+        """validate/test/predict outside fit: every rank holds the whole model (a fit's engine in this process is
+        released first, its trained weights gathered into the module) and evaluates its share of the data."""
+        self._release_engine()
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        self._use_evaluation_precision(trainer)
+        self.model = self.lightning_module
+        self.model_to_device()
+        self.barrier("fleet-evaluation-setup")
+
+    def _release_engine(self) -> None:
+        """Hand the module back as a plain module with the trained weights (collective: every rank calls it)."""
+        if self._engine is None:
+            return
+        if self.plan is not None and self.plan.pp > 1:
+            sync_stage_weights(self._engine, self.lightning_module)
+        # (the lead wires export.restore_module here once it exists)
+        self._engine = self._module_record = None
+        self.model = self.lightning_module
+        self._undo_module_patches()
+
+    def _use_evaluation_precision(self, trainer) -> None:  # type: ignore[no-untyped-def]
+        """Without an engine, mixed precision is autocast (DeepSpeed casts the module itself during fit)."""
+        from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision
+        from lightning.pytorch.plugins.precision import Precision as PlainPrecision
+
+        if self._training_precision is None:
+            self._training_precision = self.precision_plugin
+        name = str(self._training_precision.precision)
+        if name.endswith("-mixed"):
+            plugin: Any = MixedPrecision(name, self.root_device.type)  # type: ignore[arg-type]
+        elif name.endswith("-true") and not name.startswith("32"):
+            plugin = HalfPrecision(name)  # type: ignore[arg-type]
+        else:
+            plugin = PlainPrecision()
+        self.precision_plugin = plugin
+
+    def _use_training_precision(self) -> None:
+        if self._training_precision is not None:
+            self.precision_plugin = self._training_precision
+            self._training_precision = None
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        """Evaluation data is split by data-parallel replica: the ranks of one tensor- or pipeline-parallel group see the
+        same samples (their outputs are one model's), so logged metrics equal a single process's."""
+        if self.plan is None or self._engine is None:
+            return {"num_replicas": self.world_size, "rank": self.global_rank}
+        return {"num_replicas": self.plan.dp, "rank": self.dp_rank}
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel replica index under the plan (tp innermost, then dp, then pp)."""
+        assert self.plan is not None
+        return self.global_rank // self.plan.tp % self.plan.dp
 
     def _attach_checkpointing(self, trainer) -> None:  # type: ignore[no-untyped-def]
         """Add FleetCheckpoint for checkpoint_dir, and make a fit without ckpt_path resume from the newest verified checkpoint."""
@@ -239,9 +370,33 @@ class FleetStrategy(DeepSpeedStrategy):
         connector.resume_start = resume_from_newest
 
     def _newest_checkpoint(self, directory: Path) -> Path | None:
-        """Rank 0 picks the newest verified checkpoint (logging every one it skips); all ranks get its path."""
-        verdict = newest_verified(directory) if self.is_global_zero else None
-        return self.broadcast(verdict.path if verdict is not None else None)
+        """Rank 0 picks the checkpoint to resume (newest verified, compatible with this job, as ``resume`` says);
+        every rank gets its path, or the one-line refusal."""
+        return self._on_rank_zero(lambda: self._resumable(directory))
+
+    def checkpoint_facts(self) -> dict[str, Any]:
+        """What a checkpoint of this fit records so that only a compatible job resumes it (see elastic/compatibility.py)."""
+        assert self._facts is not None, "checkpoint_facts() is known from setup on"
+        return self._facts
+
+    def _resumable(self, directory: Path) -> Path | None:
+        """The newest verified checkpoint this job may resume (rank 0), setting aside what ``resume`` says to."""
+        assert self._facts is not None
+        if self.resume == "never":
+            for old in committed(directory):
+                print(f"lightning_fleet: resume='never': moved {old} to {set_aside(directory, old)}", flush=True)
+            return None
+        while (verdict := newest_verified(directory)) is not None:
+            why = incompatibility(verdict.manifest or {}, self._facts)
+            if not why:
+                return verdict.path
+            if self.resume == "auto":
+                raise FleetError(
+                    f"checkpoint {verdict.path} cannot be resumed by this job: {why}; use another checkpoint_dir, or "
+                    "FleetStrategy(resume='if_compatible') to set incompatible checkpoints aside and start fresh"
+                )
+            print(f"lightning_fleet: {verdict.path} is not this job's ({why}); moved to {set_aside(directory, verdict.path)}", flush=True)
+        return None
 
     def _resume_manifest(self) -> dict | None:
         return json.loads((self._auto_resume / MANIFEST).read_text()) if self._auto_resume is not None else None
@@ -356,12 +511,14 @@ class FleetStrategy(DeepSpeedStrategy):
         )
         if self.plan.pp > 1:
             # the pipeline engine runs forward, backward and step itself (train_batch); Lightning must not
-            module.automatic_optimization = False
+            self._patch(module, "_automatic_optimization", False)
         elif self.plan.recompute is Recompute.FULL:
-            _checkpoint_layers(find_layers(module))
-        # DeepSpeed zeroes gradients after every real optimizer step. Lightning's zero_grad runs after
-        # training_step, i.e. after this step's first gas-1 micro-batches: it must not wipe them.
-        module.optimizer_zero_grad = _engine_zeroes_gradients  # type: ignore[method-assign]
+            for layer in find_layers(module):
+                self._patch(layer, "forward", _checkpointed(layer.forward))
+        if module.automatic_optimization:
+            # DeepSpeed zeroes gradients after every real optimizer step. Lightning's zero_grad runs after
+            # training_step, i.e. after this step's first gas-1 micro-batches: it must not wipe them.
+            self._patch(module, "optimizer_zero_grad", _engine_zeroes_gradients)
 
     def _resolve_cluster(self) -> ClusterSpec:
         shape = calibrate.WorldShape(world_size=self.world_size, num_nodes=self.num_nodes, local_world_size=self.num_processes)
@@ -472,6 +629,8 @@ class FleetStrategy(DeepSpeedStrategy):
         self._log_step_times()
         if self.plan is not None and self.plan.pp > 1:
             return self._pipeline_step(batch)
+        if not self.lightning_module.automatic_optimization:  # the plan has one micro-batch; the user steps
+            return super().training_step(batch[0], *rest, **kwargs)
         engine = self.deepspeed_engine
         losses = []
         for micro in batch[:-1]:
@@ -488,9 +647,6 @@ class FleetStrategy(DeepSpeedStrategy):
 
     def _pipeline_step(self, batch: MicroBatches) -> torch.Tensor:
         """One optimizer step through DeepSpeed's pipeline schedule; Lightning only counts it and logs."""
-        if self._pipeline_evaluated:  # an evaluation resized the stage buffers
-            self.deepspeed_engine.reset_activation_shape()
-            self._pipeline_evaluated = False
         loss = self.deepspeed_engine.train_batch(micro_batch_iterator(batch))
         module = self.lightning_module
         module.log("train_loss", loss, prog_bar=True)
@@ -502,18 +658,22 @@ class FleetStrategy(DeepSpeedStrategy):
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         """Under a pipeline the engine already stepped inside train_batch."""
-        if self.plan is not None and self.plan.pp > 1:
+        if self.plan is not None and self.plan.pp > 1 and self._engine is not None:
             return None
         return super().optimizer_step(optimizer, closure, model, **kwargs)
 
+    def on_validation_start(self) -> None:
+        """Under a pipeline each rank's engine trains only its stage: bring every stage's current weights into the module
+        so that the user's own validation_step runs on the whole model."""
+        if self._engine is not None and self.plan is not None and self.plan.pp > 1:
+            sync_stage_weights(self._engine, self.lightning_module)
+
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        """Under a pipeline a stage holds only its layers: evaluate through the engine and log ``val_loss``."""
-        if self.plan is None or self.plan.pp == 1:
+        """The user's validation_step; under a pipeline on the module itself (its stages synchronised at validation start)."""
+        if self._engine is None or self.plan is None or self.plan.pp == 1:
             return super().validation_step(*args, **kwargs)
-        loss = evaluate(self.deepspeed_engine, args[0])
-        self._pipeline_evaluated = True
-        self.lightning_module.log("val_loss", loss, prog_bar=True, sync_dist=True)
-        return loss
+        with self.precision_plugin.val_step_context():
+            return self.lightning_module.validation_step(*args, **kwargs)
 
     def _log_step_times(self) -> None:
         now = time.perf_counter()
@@ -538,11 +698,8 @@ class FleetStrategy(DeepSpeedStrategy):
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         """``fleet`` (plan everything), ``fleet_zero3`` (ZeRO-3 only), ``fleet_offload`` (offload required)."""
-        strategy_registry.register("fleet", cls, description="lightning_fleet: profile, plan and train the best layout")
-        strategy_registry.register("fleet_zero3", cls, description="lightning_fleet restricted to ZeRO stage 3", zero_stages=(3,))
-        strategy_registry.register(
-            "fleet_offload", cls, description="lightning_fleet with optimizer/parameter offload to host memory", require_offload=True
-        )
+        for name, (description, init_params) in PRESETS.items():
+            strategy_registry.register(name, cls, description=description, override=True, **init_params)
 
 
 # --- small helpers (module level: no strategy state) ------------------------------------------------
@@ -625,16 +782,11 @@ def _engine_zeroes_gradients(*args: Any, **kwargs: Any) -> None:
     """Stands in for LightningModule.optimizer_zero_grad under strategy 'fleet' (DeepSpeed zeroes after each step)."""
 
 
-def _checkpoint_layers(layers: Any) -> None:
-    """Full recomputation: each layer's forward runs under torch.utils.checkpoint (non-reentrant)."""
+def _checkpointed(forward: Any) -> Any:
+    """Full recomputation: a layer's forward under torch.utils.checkpoint (non-reentrant)."""
     from torch.utils.checkpoint import checkpoint
 
-    for layer in layers:
-        if getattr(layer, "_fleet_checkpointed", False):
-            continue
-        forward = layer.forward
-        layer.forward = lambda *a, _f=forward, **k: checkpoint(_f, *a, use_reentrant=False, **k)
-        layer._fleet_checkpointed = True
+    return lambda *args, **kwargs: checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
 def _print_table(chosen: Estimate, result: PlanResult | None, cluster: ClusterSpec) -> None:

@@ -82,3 +82,30 @@ def evaluate(engine: Any, batch: Any) -> torch.Tensor:
     """
     engine.reset_activation_shape()
     return engine.eval_batch(micro_batch_iterator([batch]), num_micro_batches=1)
+
+
+def sync_stage_weights(engine: Any, module: nn.Module) -> None:
+    """Give every rank's ``module`` the current weights of every pipeline stage (collective over the pipe group).
+
+    A stage's engine trains only its own layers (the module's own parameters, shared with the PipelineModule); the
+    other stages' parameters in this rank's module are left as they were built. Each stage broadcasts its layers'
+    parameters and buffers to the other stages of its data-parallel position, so the whole LightningModule can then
+    run the user's own ``validation_step`` (or be exported) unchanged. A received tensor keeps its owner's dtype.
+    """
+    import torch.distributed as dist
+
+    spec = pipeline_hook(module)
+    assert spec is not None
+    parts, grid = engine.module.parts, engine.grid
+    group = grid.get_pipe_parallel_group()
+    for stage in range(len(parts) - 1):
+        source = grid.stage_to_global(stage_id=stage)
+        tensors = list({id(t): t for layer in spec["layers"][parts[stage] : parts[stage + 1]] for t in (*layer.parameters(), *layer.buffers())}.values())
+        mine = grid.get_stage_id() == stage
+        shapes = [[(tuple(t.shape), t.dtype) for t in tensors] if mine else None]
+        dist.broadcast_object_list(shapes, src=source, group=group)  # the owner's shapes and dtypes, once per stage
+        for tensor, (shape, dtype) in zip(tensors, shapes[0]):
+            received = tensor.data.contiguous() if mine else torch.empty(shape, dtype=dtype, device=tensor.device)
+            dist.broadcast(received, src=source, group=group)
+            if not mine:
+                tensor.data = received
