@@ -145,7 +145,7 @@ class FleetCheckpoint(Callback):
             remove_abandoned(self.dirpath)
             tmp.mkdir()
         strategy.barrier("fleet-checkpoint-start")
-        trainer.save_checkpoint(tmp / "state")
+        trainer.save_checkpoint(tmp / "state", weights_only=False)  # a full, resumable checkpoint
         torch.save(rng_state(), tmp / f"rank-{trainer.global_rank:05d}.pt")
         fsync_tree(tmp)
         strategy.barrier("fleet-checkpoint-written")
