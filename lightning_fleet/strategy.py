@@ -23,14 +23,14 @@ import torch  # noqa: E402
 from lightning.fabric.utilities.seed import reset_seed  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
-from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_fleet import calibrate
 from lightning_fleet.elastic.callback import FleetCheckpoint, set_rng_state
 from lightning_fleet.elastic.checkpoint import MANIFEST, committed, newest_verified, refuse_unsafe_pickles, set_aside, verify
 from lightning_fleet.elastic.compatibility import RESUME_POLICIES, incompatibility, job_facts
 from lightning_fleet.elastic.reshard import make_universal
-from lightning_fleet.elastic.sampler import GlobalBatchSampler, MicroBatchCollate, MicroBatches
+from lightning_fleet.data import TrainingData, example_batch, inspect_training_loader, step_loader
+from lightning_fleet.elastic.sampler import MicroBatches
 from lightning_fleet.planning import (
     ClusterSpec,
     Estimate,
@@ -167,7 +167,7 @@ class FleetStrategy(DeepSpeedStrategy):
         """How the module was measured (method, fallbacks, what it means for the plan)."""
         self._facts: dict[str, Any] | None = None
         self._restorers: list[Any] = []
-        self._shuffle = True
+        self._data: TrainingData | None = None  # the user's training data, as the strategy re-batches it
         self._engine: Any = None  # the DeepSpeed engine of the running fit (None before, and once released)
         self._module_record: Any = None  # what restore_module needs to hand the user's module back
         self._training_precision: Any = None  # DeepSpeed's precision plugin while an evaluation uses a plain one
@@ -481,10 +481,9 @@ class FleetStrategy(DeepSpeedStrategy):
                 "gradient accumulation to keep the global batch; pass FleetStrategy(global_batch_size=...) instead"
             )
         module = self.lightning_module
-        loader = _training_loader(trainer)
-        self._shuffle = _is_shuffled(loader)  # the user's loader: Lightning's re-instantiated one hides it
-        example = _example_batch(loader)
-        gbs = self.global_batch_size or int(loader.batch_size) * self.world_size
+        self._data = inspect_training_loader(_user_training_loader(trainer))
+        example = example_batch(self._data, self._data.batch_size)
+        gbs = self.global_batch_size or self._data.batch_size * self.world_size
         manifest = self._resume_manifest()
         if manifest is not None:  # the optimisation continues: same global batch whatever the new world
             if self.global_batch_size is not None and self.global_batch_size != manifest["global_batch_size"]:
@@ -595,30 +594,19 @@ class FleetStrategy(DeepSpeedStrategy):
     # --- the training data: global-batch order, micro-batches per step --------------------------
 
     def process_dataloader(self, dataloader: object) -> object:
-        """Re-batch the training DataLoader into this rank's step batches of ``gas`` micro-batches of ``mbs``."""
+        """Re-batch the training data into this rank's step batches of ``gas`` micro-batches of ``mbs`` (see data.py)."""
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if self.plan is None or trainer is None or trainer.state.stage != RunningStage.TRAINING:
+        if self.plan is None or self._data is None or trainer is None or trainer.state.stage != RunningStage.TRAINING:
             return dataloader
-        assert isinstance(dataloader, DataLoader)
         plan = self.plan
-        sampler = GlobalBatchSampler(
-            len(dataloader.dataset),  # type: ignore[arg-type]
+        return step_loader(
+            self._data,
             global_batch_size=plan.global_batch_size,
             dp_size=plan.dp,
-            dp_rank=self.global_rank // plan.tp % plan.dp,
-            shuffle=self._shuffle,
+            dp_rank=self.dp_rank,
+            gas=plan.gas,
             seed=_sampler_seed(),
             first_step=lambda: trainer.global_step,
-        )
-        return DataLoader(
-            dataloader.dataset,
-            batch_sampler=sampler,
-            collate_fn=MicroBatchCollate(dataloader.collate_fn, plan.gas),
-            num_workers=dataloader.num_workers,
-            pin_memory=dataloader.pin_memory,
-            worker_init_fn=dataloader.worker_init_fn,
-            persistent_workers=dataloader.persistent_workers,
-            multiprocessing_context=dataloader.multiprocessing_context,
         )
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -690,10 +678,17 @@ class FleetStrategy(DeepSpeedStrategy):
                 module.log("fleet/measured_peak_gib", torch.cuda.max_memory_allocated(self.root_device) / GIB, rank_zero_only=True)
 
     def save_checkpoint(self, checkpoint: dict, filepath: Any, storage_options: Any = None) -> None:
-        """DeepSpeed's sharded checkpoint, with the plan and global batch recorded for resume."""
+        """DeepSpeed's sharded checkpoint, with the plan and global batch recorded for resume, and the layout
+        (``fleet_layout.json``, rank 0) that lets :func:`lightning_fleet.export.export_state_dict` rebuild the full weights."""
+        from lightning_fleet.export import write_layout
+
         if self.plan is not None:
             checkpoint["fleet"] = {"plan": str(self.plan), "global_batch_size": self.plan.global_batch_size, "world_size": self.world_size}
+        filepath = self.broadcast(filepath)  # DeepSpeedStrategy broadcasts it too: rank 0's path everywhere
         super().save_checkpoint(checkpoint, filepath, storage_options)
+        if self.is_global_zero:
+            write_layout(self, filepath, getattr(self, "_module_record", None))
+        self.barrier("fleet-layout-written")  # the checkpoint is whole on every rank when save_checkpoint returns
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -705,23 +700,12 @@ class FleetStrategy(DeepSpeedStrategy):
 # --- small helpers (module level: no strategy state) ------------------------------------------------
 
 
-def _training_loader(trainer) -> DataLoader:  # type: ignore[no-untyped-def]
+def _user_training_loader(trainer) -> Any:  # type: ignore[no-untyped-def]
+    """The training DataLoader as the user returns it (Lightning's re-instantiated one hides its sampler and shuffle)."""
     source = trainer.fit_loop._data_source
     if not source.is_defined():
         raise FleetError("strategy 'fleet' needs a training DataLoader to size the global batch and profile the model")
-    loader = source.dataloader()
-    if not isinstance(loader, DataLoader) or isinstance(loader.dataset, IterableDataset) or loader.batch_size is None:
-        raise FleetError(
-            "strategy 'fleet' re-batches a map-style training DataLoader with a batch_size; "
-            "got an iterable dataset or a custom batch_sampler: use a map-style Dataset"
-        )
-    return loader
-
-
-def _example_batch(loader: DataLoader) -> Any:
-    """One batch of the loader's batch size, built from the first samples (no iteration: the RNG is untouched)."""
-    count = min(int(loader.batch_size), len(loader.dataset))  # type: ignore[arg-type]
-    return loader.collate_fn([loader.dataset[i] for i in range(count)])
+    return source.dataloader()
 
 
 def _precision_of(trainer) -> Precision:  # type: ignore[no-untyped-def]
@@ -729,12 +713,6 @@ def _precision_of(trainer) -> Precision:  # type: ignore[no-untyped-def]
     if name not in _PRECISIONS:
         raise FleetError(f"strategy 'fleet' supports precision 32-true, bf16-mixed, bf16-true, 16-mixed; got {name!r}")
     return _PRECISIONS[name]
-
-
-def _is_shuffled(loader: DataLoader) -> bool:
-    from lightning.pytorch.utilities.data import _is_dataloader_shuffled
-
-    return bool(_is_dataloader_shuffled(loader))
 
 
 def _sampler_seed() -> int:

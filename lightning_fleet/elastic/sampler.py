@@ -1,10 +1,12 @@
 """Step batches cut from one global sample order, so that the optimisation does not depend on the layout.
 
-Every epoch has one order of the whole dataset (a seeded permutation, or identity without
-shuffle). Optimizer step ``s`` consumes global samples ``order[s*G:(s+1)*G]``; data-parallel rank
-``r`` of ``dp`` takes the contiguous ``G/dp`` slice ``r`` of them and cuts it into ``gas``
-micro-batches of ``mbs``. A plan change (dp, mbs, gas) therefore never changes which samples form
-a step, and a single process with the whole batch sees the same samples.
+Every epoch has one global order of dataset indices: a seeded permutation, identity without
+shuffle, or the indices the user's own sampler yields (``epoch_order``, see
+:mod:`lightning_fleet.data`). Optimizer step ``s`` consumes global samples ``order[s*G:(s+1)*G]``;
+data-parallel rank ``r`` of ``dp`` takes the contiguous ``G/dp`` slice ``r`` of them
+(:func:`rank_share`) and cuts it into ``gas`` micro-batches of ``mbs``. A plan change (dp, mbs,
+gas) therefore never changes which samples form a step, and a single process with the whole batch
+sees the same samples.
 """
 
 from __future__ import annotations
@@ -19,7 +21,14 @@ class MicroBatches(list):
     """The micro-batches of one optimizer step on one rank, each already collated."""
 
 
-class GlobalBatchSampler(Sampler[list[int]]):
+def rank_share(step_samples: Sequence[Any], dp_size: int, dp_rank: int) -> list[Any]:
+    """Data-parallel rank ``dp_rank``'s contiguous share of one step's global samples."""
+    per_rank = len(step_samples) // dp_size
+    share = step_samples[dp_rank * per_rank : (dp_rank + 1) * per_rank]
+    return share.tolist() if isinstance(share, torch.Tensor) else list(share)
+
+
+class GlobalBatchSampler(Sampler[list[Any]]):
     """Yields, per optimizer step, this rank's ``global_batch_size / dp_size`` dataset indices.
 
     The position is keyed by the global optimizer step (``first_step()`` when iteration starts):
@@ -38,6 +47,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
         shuffle: bool = True,
         seed: int = 0,
         first_step: Callable[[], int] = lambda: 0,
+        epoch_order: Callable[[int], Sequence[Any]] | None = None,
     ) -> None:
         if global_batch_size % dp_size:
             raise ValueError(f"global batch size {global_batch_size} is not divisible by dp {dp_size}")
@@ -48,6 +58,7 @@ class GlobalBatchSampler(Sampler[list[int]]):
         self.dp_size, self.dp_rank = dp_size, dp_rank
         self.shuffle, self.seed = shuffle, seed
         self.first_step = first_step
+        self.epoch_order = epoch_order
 
     @property
     def steps_per_epoch(self) -> int:
@@ -57,19 +68,20 @@ class GlobalBatchSampler(Sampler[list[int]]):
     def set_epoch(self, epoch: int) -> None:
         """Lightning calls this every epoch; the order follows the global step instead (see the class doc)."""
 
-    def order(self, epoch: int) -> torch.Tensor:
+    def order(self, epoch: int) -> Sequence[Any]:
         """The global order of dataset indices in ``epoch``."""
+        if self.epoch_order is not None:
+            return self.epoch_order(epoch)
         if not self.shuffle:
             return torch.arange(self.num_samples)
         return torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(self.seed + epoch))
 
-    def __iter__(self) -> Iterator[list[int]]:
+    def __iter__(self) -> Iterator[list[Any]]:
         epoch, first = divmod(self.first_step(), self.steps_per_epoch)
         order = self.order(epoch)
-        per_rank = self.global_batch_size // self.dp_size
+        size = self.global_batch_size
         for step in range(first, self.steps_per_epoch):
-            start = step * self.global_batch_size + self.dp_rank * per_rank
-            yield order[start : start + per_rank].tolist()
+            yield rank_share(order[step * size : (step + 1) * size], self.dp_size, self.dp_rank)
 
     def __len__(self) -> int:
         """Steps of a whole epoch, also when resuming mid-epoch: Lightning's batch counter continues from the resumed step."""
