@@ -1,47 +1,143 @@
-"""nn.Module -> ModelSpec, measured on the meta device: no real memory, no real FLOPs.
+"""nn.Module -> ModelSpec, measured without touching the user's module.
 
-The module's parameters are swapped for meta tensors and its ``training_step`` runs once on a meta
-copy of an example batch. torch's FlopCounterMode counts the forward FLOPs and autograd's
-saved-tensor hooks see every tensor kept for backward; both are attributed to the block running at
-that moment: ``pre`` (everything before the first layer), each layer, ``post`` (everything after the
-last layer, the loss included), and so are the output elements of the operators that do no matmul
-(the memory-bound rest: norms, activations, softmax, residual adds, copies). The forward suffices:
-the cost model takes backward as 2x forward (Narayanan 2021), so no backward pass is run.
+Everything runs on an isolated copy of the module (its parameters become meta tensors, or share the
+original's storage for a real run); the module, its attributes, buffers, metrics, hooks, the
+trainer's logged values and the RNG streams are exactly as before afterwards.
 
-Layers are the module's ``fleet_layers()`` (optional hook) or, without it, its largest
-``nn.ModuleList``/``nn.Sequential`` child. ``fleet_tensor_parallel()`` (optional hook) gives the
-head count and the AutoTP patterns, from which each layer's tensor-parallel all-reduces are counted.
+Three methods, tried in order (:class:`Method`):
+
+``meta``
+    ``training_step`` runs once on a meta copy of the example batch: no real memory, no real
+    FLOPs. torch's FlopCounterMode counts the forward FLOPs and autograd's saved-tensor hooks see
+    every tensor kept for backward; both are attributed to the block running at that moment: ``pre``
+    (everything before the first layer), each layer, ``post`` (everything after the last layer, the
+    loss included), and so are the output elements of the operators that do no matmul (the
+    memory-bound rest: norms, activations, softmax, residual adds, copies). The forward suffices: the
+    cost model takes backward as 2x forward (Narayanan 2021), so no backward pass is run. What meta
+    tensors cannot do is stood in for and counted: ``.item()``/``bool()`` return a stand-in, boolean
+    masks, ``nonzero`` and ``unique`` select everything (an upper bound), real tensors meeting meta
+    ones become meta, tensors created without a device land on meta.
+``real``
+    The same measurement on a real slice of the example batch (2 samples), on a copy whose
+    parameters share the original's storage (no weight copy, no backward, no optimizer step, no
+    in-place write to a parameter), scaled per sample.
+``parameters``
+    Exact parameter counts; FLOPs and activations from stated rules of thumb (see ``notes``).
+
+Layers are the module's ``fleet_layers()`` (optional hook) or, without it, the largest
+``nn.ModuleList``/``nn.Sequential`` anywhere in the module whose children are all of one type.
+``fleet_tensor_parallel()`` (optional hook) gives the head count and the AutoTP patterns, from which
+each layer's tensor-parallel all-reduces are counted. Both hooks must be pure: they are called on
+the module itself, and a malformed answer is a FleetError.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import inspect
+import math
+import random
 import re
+import sys
+import types
+from collections import Counter
+from collections.abc import Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from enum import StrEnum
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
-from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from lightning_fleet.planning import BlockSpec, FleetError, ModelSpec, Precision, Role
+from lightning_fleet.planning.model import layer_act_replicated_bytes, layer_act_sharded_bytes, layer_elementwise
 from lightning_fleet.runtime.deepspeed_config import TensorParallelSpec
+
+aten = torch.ops.aten
+
+REAL_SAMPLES = 2
+"""Samples of the example batch the ``real`` method runs (BatchNorm in training needs 2)."""
+REAL_RUN_FLOPS = 1e12
+"""Most forward FLOPs the ``real`` method may spend, estimated before it runs as 2 per parameter per token (Kaplan et
+al. 2020) for its samples: about 25 s on one CPU core at ~40 GFLOP/s (docs/MEASURED.md), seconds on a GPU."""
+BATCH_CHECK_FLOPS = 2e10
+"""Most forward FLOPs the micro-batch check may spend: about 0.5 s on one CPU core at the ~40 GFLOP/s a core of
+the development machine reaches on layer GEMMs (docs/MEASURED.md), far less on a GPU."""
+BATCH_CHECK_RTOL = 1e-4
+"""Relative difference between the loss of a batch and the mean loss of its halves above which the loss depends on
+the micro-batch; 16-bit losses use 8 ulps instead when larger. fp32 reductions over 2 vs 4 samples differ by ~1e-7."""
+_PLACEHOLDER_STEPS = 1000
+"""``trainer.estimated_stepping_batches`` as the copy sees it before the trainer has loaded its data (a scheduler
+built for profiling only needs a positive length)."""
+_REASON_CHARS = 200
+
+
+class Method(StrEnum):
+    """How a profile was measured, best first."""
+
+    META = "meta"
+    """Exact: training_step ran on meta tensors (no real compute)."""
+    REAL = "real"
+    """training_step ran on a small real slice of the example batch; per-sample values scaled from it."""
+    PARAMETERS = "parameters"
+    """Parameter counts only; FLOPs and activations from rules of thumb."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Profile:
+    """What profiling a module found and how far to trust it."""
+
+    spec: ModelSpec
+    """The per-block, per-sample costs the planner prices."""
+    method: Method
+    """How ``spec`` was measured."""
+    fallback_reason: str = ""
+    """'' when meta worked; else why the better method(s) failed, one line."""
+    notes: tuple[str, ...] = ()
+    """One line each: what the method and its approximations mean for the plan."""
+    batch_dependent: bool | None = None
+    """Whether the loss depends on how the batch is split into micro-batches; None when not checked (see notes)."""
+
+    def report_lines(self) -> list[str]:
+        """The lines a start-up report prints: the method (and why a better one failed), then the notes."""
+        head = f"profiling: {self.method.value} ({_METHOD_WORDS[self.method]})"
+        if self.fallback_reason:
+            head += f"; {self.fallback_reason}"
+        return [head, *(f"  {note}" for note in self.notes)]
+
+
+_METHOD_WORDS = {
+    Method.META: "exact, training_step on meta tensors",
+    Method.REAL: f"training_step on {REAL_SAMPLES} real samples",
+    Method.PARAMETERS: "parameter counts only",
+}
+
+
+# --- the module's layer stack and tensor-parallel hook --------------------------------------------
 
 
 def find_layers(module: nn.Module) -> nn.ModuleList | nn.Sequential | None:
-    """The layer stack: ``fleet_layers()`` if the module has it, else its largest ModuleList/Sequential child."""
+    """The layer stack: ``fleet_layers()`` if the module has it, else the largest (by parameters) ModuleList or
+    Sequential anywhere in the module whose children all have one type (a parent before its nested stacks)."""
     hook = getattr(module, "fleet_layers", None)
     if callable(hook):
         layers = hook()
         if not isinstance(layers, (nn.ModuleList, nn.Sequential)) or len(layers) == 0:
             raise FleetError(f"{type(module).__name__}.fleet_layers() must return a non-empty nn.ModuleList or nn.Sequential")
         return layers
-    stacks = [c for c in module.children() if isinstance(c, (nn.ModuleList, nn.Sequential)) and len(c) > 0]
-    return max(stacks, key=lambda c: sum(p.numel() for p in c.parameters()), default=None)
+    stacks = [m for m in module.modules() if isinstance(m, (nn.ModuleList, nn.Sequential)) and _repeats_one_type(m)]
+    sized = [(sum(p.numel() for p in m.parameters()), m) for m in stacks]
+    best = max(sized, key=lambda pair: pair[0], default=(0, None))
+    return best[1] if best[0] > 0 else None
+
+
+def _repeats_one_type(container: nn.Module) -> bool:
+    return len(container) > 0 and len({type(child) for child in container}) == 1
 
 
 def tensor_parallel_hook(module: nn.Module) -> tuple[int, TensorParallelSpec] | None:
@@ -60,108 +156,7 @@ def tensor_parallel_hook(module: nn.Module) -> tuple[int, TensorParallelSpec] | 
     return heads, patterns
 
 
-@dataclass
-class _Phase:
-    """What one phase of the forward pass (pre, a layer, post) used."""
-
-    modules: set[str] = field(default_factory=set)
-    flops: float = 0.0
-    saved: list[tuple[int, float]] = field(default_factory=list)  # (last dimension, bytes) per saved tensor
-    output_bytes: float = 0.0
-    elementwise: float = 0.0  # output elements of the operators that do no matmul
-
-    def split_bytes(self, hidden: int) -> tuple[float, float]:
-        """(replicated, sharded) saved bytes: width-``hidden`` tensors stay whole under tp, wider ones are split."""
-        replicated = sum(b for dim, b in self.saved if dim in (hidden, 0))
-        return replicated, sum(b for _, b in self.saved) - replicated
-
-
-class _Recorder:
-    """Forward hooks and saved-tensor hooks that attribute FLOPs, saved bytes and modules to phases."""
-
-    def __init__(self, layers: list[nn.Module], names: dict[int, str], counter: FlopCounterMode, param_storages: set[int], scale: float) -> None:
-        self.layers = {id(layer): i for i, layer in enumerate(layers)}
-        self.names = names
-        self.counter = counter
-        self.param_storages = param_storages
-        self.scale = scale  # float bytes scale for mixed precision (profiled in fp32)
-        self.phases: dict[str, _Phase] = {"pre": _Phase(), "post": _Phase()}
-        self.current = "pre"
-        self.mark = 0.0
-        self.seen_storages: set[int] = set()
-        self.hidden = 0
-        self.seq = 1
-
-    def _phase(self) -> _Phase:
-        return self.phases.setdefault(self.current, _Phase())
-
-    def _switch(self, name: str) -> None:
-        total = float(self.counter.get_total_flops())
-        self._phase().flops += total - self.mark
-        self.mark, self.current = total, name
-
-    def layer_pre(self, module: nn.Module, args: Any) -> None:
-        self._switch(f"layer{self.layers[id(module)]}")
-
-    def layer_post(self, module: nn.Module, args: Any, output: Any) -> None:
-        out = output[0] if isinstance(output, (tuple, list)) else output
-        if isinstance(out, torch.Tensor):
-            self._phase().output_bytes = out.numel() * out.element_size() * (self.scale if out.is_floating_point() else 1)
-            if out.dim() >= 2 and not self.hidden:
-                self.hidden, self.seq = out.shape[-1], (out.shape[1] if out.dim() >= 3 else 1)
-        self._switch("post")
-
-    def add_elementwise(self, elements: int) -> None:
-        self._phase().elementwise += elements
-
-    def module_pre(self, module: nn.Module, args: Any) -> None:
-        self._phase().modules.add(self.names[id(module)])
-
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()._cdata
-        if storage not in self.param_storages and storage not in self.seen_storages:
-            self.seen_storages.add(storage)
-            nbytes = t.untyped_storage().nbytes() * (self.scale if t.is_floating_point() else 1)
-            self._phase().saved.append((t.shape[-1] if t.dim() else 0, nbytes))
-        return t
-
-    def finish(self) -> None:
-        self._switch(self.current)
-
-
-_NO_DATA_MOVED = (torch.ops.aten._unsafe_view, torch.ops.aten.alias, torch.ops.aten.lift_fresh)
-"""Operators that return their input's storage (aliases not marked as views)."""
-
-
-class _OpCounter(TorchDispatchMode):
-    """Counts the operators a forward pass dispatches (each costs host time, whatever its size), and hands the
-    output elements of every operator that does no matmul to ``on_elementwise`` (memory-bound work: norms,
-    activations, softmax, adds, copies; views move no data and are not counted)."""
-
-    def __init__(self, on_elementwise: Callable[[int], None]) -> None:
-        super().__init__()
-        self.ops = 0
-        self.on_elementwise = on_elementwise
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        self.ops += 1
-        out = func(*args, **(kwargs or {}))
-        if func.overloadpacket not in flop_registry and not func.is_view and func.overloadpacket not in _NO_DATA_MOVED:
-            elements = sum(t.numel() for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point())
-            if elements and any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves((args, kwargs))):
-                self.on_elementwise(elements)
-        return out
-
-
-def _meta_like(batch: Any) -> Any:
-    """The example batch on the meta device (same shapes and dtypes)."""
-    if isinstance(batch, torch.Tensor):
-        return torch.empty_like(batch, device="meta")
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_meta_like(b) for b in batch)
-    if isinstance(batch, dict):
-        return {k: _meta_like(v) for k, v in batch.items()}
-    return batch
+# --- batches ----------------------------------------------------------------------------------------
 
 
 def batch_size_of(batch: Any) -> int:
@@ -176,43 +171,776 @@ def batch_size_of(batch: Any) -> int:
     return 0
 
 
+def _map_tensors(batch: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """``batch`` with every tensor replaced by ``fn(tensor)``: lists, tuples, named tuples, mappings and dataclasses."""
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(_map_tensors(b, fn) for b in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_map_tensors(b, fn) for b in batch)
+    if isinstance(batch, dict):
+        out = copy.copy(batch)
+        out.update({k: _map_tensors(v, fn) for k, v in batch.items()})
+        return out
+    if isinstance(batch, Mapping):
+        return {k: _map_tensors(v, fn) for k, v in batch.items()}
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        fields = {f.name: _map_tensors(getattr(batch, f.name), fn) for f in dataclasses.fields(batch) if f.init}
+        return dataclasses.replace(batch, **fields)
+    return batch
+
+
+def _batch_tensors(batch: Any) -> list[torch.Tensor]:
+    """The tensors of a batch, in order."""
+    found: list[torch.Tensor] = []
+    _map_tensors(batch, found.append)
+    return found
+
+
+def _meta_like(batch: Any) -> Any:
+    """The example batch on the meta device (same shapes and dtypes)."""
+    return _map_tensors(batch, lambda t: torch.empty_like(t, device="meta"))
+
+
+def _slice(batch: Any, start: int, stop: int, samples: int, device: torch.device) -> Any:
+    """Samples ``start:stop`` of a batch of ``samples``, as fresh tensors on ``device`` (tensors whose first dimension is
+    not the batch stay whole)."""
+
+    def take(t: torch.Tensor) -> torch.Tensor:
+        part = t[start:stop] if t.dim() and t.shape[0] == samples else t
+        return part.to(device=device, copy=True)
+
+    return _map_tensors(batch, take)
+
+
+# --- isolation: a copy to run, answers to Lightning's calls, global state kept -----------------------
+
+
+class _Absorb:
+    """A stand-in that accepts any attribute access and call (a logger the copy may write to)."""
+
+    def __getattr__(self, name: str) -> "_Absorb":
+        return self
+
+    def __call__(self, *args: Any, **kwargs: Any) -> "_Absorb":
+        return self
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(())
+
+
+class _TrainerView:
+    """The trainer as the copy sees it: reads go to the real trainer, writes stay here, loggers absorb everything, and
+    ``estimated_stepping_batches`` never makes the trainer load its data early."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.__dict__["_real"] = trainer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["_real"], name)
+
+    @property
+    def estimated_stepping_batches(self) -> float:
+        """The real value when the trainer can give it without loading data, else a placeholder."""
+        real = self.__dict__["_real"]
+        if getattr(real, "max_steps", -1) and real.max_steps > 0:
+            return real.max_steps
+        if getattr(real, "train_dataloader", None) is not None:
+            return real.estimated_stepping_batches
+        return _PLACEHOLDER_STEPS
+
+    @property
+    def logger(self) -> Any:
+        return _Absorb() if self.__dict__["_real"].logger is not None else None
+
+    @property
+    def loggers(self) -> list[Any]:
+        return [_Absorb() for _ in self.__dict__["_real"].loggers]
+
+
+class _NullOptimizer:
+    """An optimizer whose step and zero_grad do nothing (a closure passed to step still runs: it is the forward)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.optimizer = inner
+
+    def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
+        return closure() if closure is not None else None
+
+    def zero_grad(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    @contextmanager
+    def toggle_model(self, *args: Any, **kwargs: Any) -> Iterator[None]:
+        yield
+
+    def __getattr__(self, name: str) -> Any:
+        inner = self.__dict__.get("optimizer")
+        if inner is None:
+            raise AttributeError(name)
+        return getattr(inner, name)
+
+
+class _NullScheduler:
+    """A learning-rate scheduler whose step does nothing."""
+
+    def __init__(self, inner: Any) -> None:
+        self.scheduler = inner
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["scheduler"], name)
+
+
+def _optimizer_config(conf: Any) -> tuple[list[Any], list[Any]]:
+    """(optimizers, schedulers) from any ``configure_optimizers`` return format Lightning accepts."""
+    if conf is None:
+        return [], []
+    if isinstance(conf, Mapping):
+        scheduler = conf.get("lr_scheduler")
+        return [conf["optimizer"]], [] if scheduler is None else [_scheduler_of(scheduler)]
+    if isinstance(conf, (list, tuple)):
+        if len(conf) == 2 and isinstance(conf[0], (list, tuple)):
+            return list(conf[0]), [_scheduler_of(s) for s in conf[1]]
+        optimizers: list[Any] = []
+        schedulers: list[Any] = []
+        for item in conf:
+            more, extra = _optimizer_config(item)
+            optimizers += more
+            schedulers += extra
+        return optimizers, schedulers
+    return [conf], []
+
+
+def _scheduler_of(entry: Any) -> Any:
+    return entry["scheduler"] if isinstance(entry, Mapping) else entry
+
+
+class _Stubs:
+    """Answers, on the copy, the Lightning calls a training step may make without a training loop around it."""
+
+    def __init__(self, root: nn.Module) -> None:
+        self.root = root
+        self.last_loss: torch.Tensor | None = None
+        self._optimizers: list[_NullOptimizer] | None = None
+        self._schedulers: list[_NullScheduler] = []
+
+    def _configure(self) -> None:
+        if self._optimizers is not None:
+            return
+        configure = getattr(self.root, "configure_optimizers", None)
+        try:
+            with _disable_current_modes(), torch.no_grad():
+                optimizers, schedulers = _optimizer_config(configure() if callable(configure) else None)
+        except Exception:  # the count of optimizers is all the copy needs; one will do
+            optimizers, schedulers = [], []
+        self._optimizers = [_NullOptimizer(o) for o in optimizers] or [_NullOptimizer(None)]
+        self._schedulers = [_NullScheduler(s) for s in schedulers]
+
+    def optimizers(self, use_pl_optimizer: bool = True) -> Any:
+        self._configure()
+        assert self._optimizers is not None
+        return self._optimizers[0] if len(self._optimizers) == 1 else list(self._optimizers)
+
+    def lr_schedulers(self) -> Any:
+        self._configure()
+        if not self._schedulers:
+            return None
+        return self._schedulers[0] if len(self._schedulers) == 1 else list(self._schedulers)
+
+    def manual_backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        self.last_loss = loss
+
+    def install(self, module: nn.Module) -> None:
+        """Put the answers on one (Lightning) module of the copy as instance attributes."""
+        for name in ("log", "log_dict", "print", "clip_gradients", "toggle_optimizer", "untoggle_optimizer"):
+            module.__dict__[name] = _ignore
+        module.__dict__["optimizers"] = self.optimizers
+        module.__dict__["lr_schedulers"] = self.lr_schedulers
+        module.__dict__["manual_backward"] = self.manual_backward
+
+
+def _ignore(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _is_lightning_module(module: nn.Module) -> bool:
+    return callable(getattr(module, "training_step", None)) and callable(getattr(module, "log", None))
+
+
+def _new_parameter(p: torch.Tensor, on_meta: bool) -> torch.Tensor:
+    """A parameter of the copy: a meta tensor, or a detached one sharing the original's storage (no weight copy)."""
+    data = torch.empty_like(p, device="meta") if on_meta else p.detach()
+    if isinstance(p, nn.Parameter):
+        return nn.Parameter(data, requires_grad=p.requires_grad)
+    return data.requires_grad_(p.requires_grad)
+
+
+def _new_tensor(t: torch.Tensor, on_meta: bool) -> torch.Tensor:
+    """A buffer or tensor attribute of the copy: a meta tensor, or a detached clone."""
+    out = torch.empty_like(t, device="meta") if on_meta else t.detach().clone()
+    return out.requires_grad_(t.requires_grad) if t.is_leaf and (t.is_floating_point() or t.is_complex()) else out
+
+
+def _tensors_in(value: Any, depth: int = 2) -> Iterator[Any]:
+    """Tensors and torch Generators held by an attribute value, looking ``depth`` containers deep."""
+    if isinstance(value, (torch.Tensor, torch.Generator)):
+        yield value
+    elif depth and isinstance(value, (list, tuple, set, frozenset)):
+        for item in value:
+            yield from _tensors_in(item, depth - 1)
+    elif depth and isinstance(value, Mapping):
+        for item in value.values():
+            yield from _tensors_in(item, depth - 1)
+
+
+def _clone_generator(g: torch.Generator) -> torch.Generator:
+    clone = torch.Generator(device=g.device)
+    clone.set_state(g.get_state())
+    return clone
+
+
+def _replacements(module: nn.Module, on_meta: bool) -> dict[int, Any]:
+    """id(original) -> what the copy holds instead: parameters, buffers, tensor attributes, generators; the trainer and
+    fabric map to themselves (never copied)."""
+    memo: dict[int, Any] = {}
+    for m in module.modules():
+        for p in m._parameters.values():
+            if p is not None and id(p) not in memo:
+                memo[id(p)] = _new_parameter(p, on_meta)
+        for b in m._buffers.values():
+            if b is not None and id(b) not in memo:
+                memo[id(b)] = _new_tensor(b, on_meta)
+        for key, value in m.__dict__.items():
+            if key in ("_parameters", "_buffers", "_modules"):
+                continue
+            if key in ("_trainer", "_fabric") and value is not None:
+                memo[id(value)] = value
+                continue
+            for t in _tensors_in(value):
+                if id(t) not in memo:
+                    memo[id(t)] = _clone_generator(t) if isinstance(t, torch.Generator) else _new_tensor(t, on_meta)
+    return memo
+
+
+def _structural_copy(module: nn.Module, memo: dict[int, Any]) -> nn.Module:
+    """A copy built module by module when deepcopy fails (an unpicklable attribute): new parameter, buffer and module
+    dicts, containers one level deep, tensors replaced; other attribute objects are shared with the original."""
+
+    def copy_value(value: Any) -> Any:
+        if id(value) in memo:
+            return memo[id(value)]
+        if isinstance(value, nn.Module):
+            return copy_module(value)
+        if isinstance(value, types.MethodType) and isinstance(value.__self__, nn.Module):
+            return types.MethodType(value.__func__, copy_module(value.__self__))
+        if isinstance(value, (list, set)) or type(value) is tuple:
+            return type(value)(memo.get(id(v), v) for v in value)
+        if isinstance(value, dict):
+            out = copy.copy(value)
+            out.update({k: memo.get(id(v), v) for k, v in value.items()})
+            return out
+        return value
+
+    def copy_module(m: nn.Module) -> nn.Module:
+        if id(m) in memo:
+            return memo[id(m)]
+        new = m.__class__.__new__(m.__class__)
+        memo[id(m)] = new
+        state = {}
+        for key, value in m.__dict__.items():
+            if key == "_modules":
+                state[key] = {k: None if c is None else copy_module(c) for k, c in value.items()}
+            elif key in ("_parameters", "_buffers"):
+                state[key] = {k: None if t is None else memo[id(t)] for k, t in value.items()}
+            else:
+                state[key] = copy_value(value)
+        new.__dict__.update(state)
+        return new
+
+    return copy_module(module)
+
+
+def _isolated_copy(module: nn.Module, on_meta: bool) -> tuple[nn.Module, _Stubs]:
+    """A copy of ``module`` to run: parameters on meta (or sharing storage), buffers and tensor attributes replaced,
+    Lightning's calls answered by stubs, the trainer seen through a view, torchmetrics' value checks off."""
+    memo = _replacements(module, on_meta)
+    try:
+        clone = copy.deepcopy(module, dict(memo))
+    except Exception:
+        clone = _structural_copy(module, dict(memo))
+    stubs = _Stubs(clone)
+    trainer = getattr(module, "_trainer", None)
+    for m in clone.modules():
+        if "_trainer" in m.__dict__ and trainer is not None:
+            m.__dict__["_trainer"] = _TrainerView(trainer)
+        if on_meta and "_device" in m.__dict__:
+            m.__dict__["_device"] = torch.device("meta")
+        if isinstance(m.__dict__.get("validate_args"), bool):  # torchmetrics reads tensor values to validate inputs
+            m.__dict__["validate_args"] = False
+        if _is_lightning_module(m):
+            stubs.install(m)
+    return clone, stubs
+
+
+def _dismantle(clone: nn.Module) -> None:
+    """Empty every module of a copy, so that what it kept (losses, graphs, activations) is freed now, not by the cycle
+    collector later."""
+    for m in list(clone.modules()):
+        m.__dict__.clear()
+
+
 @contextmanager
-def _quiet_logging(module: nn.Module) -> Iterator[None]:
-    """LightningModule.log/log_dict become no-ops while profiling (there is no loop to log into)."""
-    saved = {name: module.__dict__.get(name) for name in ("log", "log_dict")}
-    module.log = lambda *args, **kwargs: None  # type: ignore[method-assign]
-    module.log_dict = lambda *args, **kwargs: None  # type: ignore[method-assign]
+def _global_state_kept() -> Iterator[None]:
+    """Torch CPU and CUDA, numpy and Python RNG states and the grad mode, as they were on entry, on exit."""
+    cpu = torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    np = sys.modules.get("numpy")
+    np_state = np.random.get_state() if np is not None else None
+    py_state = random.getstate()
+    grad = torch.is_grad_enabled()
     try:
         yield
     finally:
-        for name, value in saved.items():
-            if value is None:
-                module.__dict__.pop(name, None)
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+        if np_state is not None:
+            np.random.set_state(np_state)
+        random.setstate(py_state)
+        torch.set_grad_enabled(grad)
+
+
+def _reason(method: Method, err: BaseException) -> str:
+    """One line: which method failed and why."""
+    text = " ".join(str(err).split())
+    line = f"{method.value} failed: {type(err).__name__}" + (f": {text}" if text else "")
+    return line if len(line) <= _REASON_CHARS else line[: _REASON_CHARS - 3] + "..."
+
+
+# --- dispatch modes ---------------------------------------------------------------------------------
+
+
+def _storage_id(t: torch.Tensor) -> int:
+    """Identity of a tensor's storage (shared by its views); the tensor's own identity when it has none (sparse)."""
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):
+        return id(t)
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+class _ParameterWrite(RuntimeError):
+    """The step writes into a parameter in place (the real method shares the user's weights)."""
+
+
+def _check_no_parameter_write(func: Any, args: tuple, kwargs: dict, guarded: set[int]) -> None:
+    """Raise before an operator writes in place into one of the ``guarded`` storages."""
+    if not guarded or not func._schema.is_mutable:
+        return
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        if any(_storage_id(t) in guarded for t in _tensors(value)):
+            raise _ParameterWrite(f"training_step writes into a parameter in place ({func})")
+
+
+_NO_DATA_MOVED = (aten._unsafe_view, aten.alias, aten.lift_fresh)
+"""Operators that return their input's storage (aliases not marked as views)."""
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts the operators a forward pass dispatches (each costs host time, whatever its size), hands the output
+    elements of every operator that does no matmul to the recorder (memory-bound work: norms, activations, softmax,
+    adds, copies; views move no data and are not counted), tells it which parameter storages each operator reads, and
+    refuses in-place writes into ``guarded`` storages."""
+
+    def __init__(self, recorder: "_Recorder", guarded: set[int]) -> None:
+        super().__init__()
+        self.ops = 0
+        self.recorder = recorder
+        self.guarded = guarded
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        _check_no_parameter_write(func, args, kwargs, self.guarded)
+        self.ops += 1
+        inputs = _tensors((args, kwargs))
+        self.recorder.use_storages(inputs)
+        out = func(*args, **kwargs)
+        if func.overloadpacket not in flop_registry and not func.is_view and func.overloadpacket not in _NO_DATA_MOVED:
+            elements = sum(t.numel() for t in _tensors(out) if t.is_floating_point())
+            if elements and inputs:
+                self.recorder.add_elementwise(elements)
+        return out
+
+
+def _meta(t: torch.Tensor) -> torch.Tensor:
+    return t if t.is_meta else torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+
+def _long(*shape: int) -> torch.Tensor:
+    return torch.empty(shape, dtype=torch.long, device="meta")
+
+
+def _scalar_stand_in(t: torch.Tensor) -> bool | int | float:
+    """What ``.item()`` of a meta tensor returns: False for booleans (the unremarkable case of a check), 1 for integers
+    (a usable count or divisor), 1.0 for floats."""
+    if t.dtype is torch.bool:
+        return False
+    return 1.0 if t.is_floating_point() or t.is_complex() else 1
+
+
+def _bool_indices_as_long(indices: list[Any]) -> list[Any]:
+    """Boolean index masks as the long indices ``nonzero`` would give if every element were selected."""
+    out: list[Any] = []
+    for index in indices:
+        if isinstance(index, torch.Tensor) and index.dtype in (torch.bool, torch.uint8):
+            out += [_long(index.numel()) for _ in range(index.dim())]
+        else:
+            out.append(index)
+    return out
+
+
+def _unique_upper_bound(x: torch.Tensor, inverse: bool, counts: bool, dim: int | None = None) -> tuple[torch.Tensor, ...]:
+    values = torch.empty_like(x) if dim is not None else torch.empty(x.numel(), dtype=x.dtype, device="meta")
+    n = x.shape[dim] if dim is not None else x.numel()
+    inverse_shape = (n,) if dim is not None else tuple(x.shape)
+    return values, _long(*inverse_shape) if inverse else _long(0), _long(n) if counts else _long(0)
+
+
+def _upper_bound(func: Any, args: tuple, kwargs: dict) -> Any:
+    """The output of a data-dependent-shape operator on meta tensors if everything were selected; None if unknown."""
+    packet = func.overloadpacket
+    if packet is aten.nonzero:
+        return _long(args[0].numel(), args[0].dim())
+    if packet is aten.masked_select:
+        shape = torch.broadcast_shapes(args[0].shape, args[1].shape)
+        return torch.empty(math.prod(shape), dtype=args[0].dtype, device="meta")
+    if packet in (aten.index, aten._unsafe_index) and any(
+        isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in args[1]
+    ):
+        return func(args[0], _bool_indices_as_long(list(args[1])), *args[2:], **kwargs)
+    if packet is aten._unique2:
+        return _unique_upper_bound(args[0], *[_arg(func, args, kwargs, n) for n in ("return_inverse", "return_counts")])
+    if packet is aten._unique:
+        return _unique_upper_bound(args[0], _arg(func, args, kwargs, "return_inverse"), False)[:2]
+    if packet in (aten.unique_dim, aten.unique_consecutive):
+        flags = [_arg(func, args, kwargs, n) for n in ("return_inverse", "return_counts")]
+        return _unique_upper_bound(args[0], *flags, dim=_arg(func, args, kwargs, "dim"))
+    if packet is aten.bincount and (_arg(func, args, kwargs, "minlength") or 0) > 0:  # values assumed below minlength
+        weights = _arg(func, args, kwargs, "weights")
+        dtype = torch.long if weights is None else weights.dtype
+        return torch.empty(_arg(func, args, kwargs, "minlength"), dtype=dtype, device="meta")
+    return None
+
+
+def _arg(func: Any, args: tuple, kwargs: dict, name: str) -> Any:
+    """An operator argument by schema name, positional, keyword or default."""
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.name == name:
+            if i < len(args):
+                return args[i]
+            return kwargs.get(name, arg.default_value)
+    raise KeyError(name)
+
+
+_SCALAR_OPS = {aten._local_scalar_dense: None, aten.equal: True, aten.allclose: True, aten.is_nonzero: False}
+"""Operators that return a Python value read from tensor data: the stand-in (None: by dtype)."""
+
+
+class _MetaFixups(TorchDispatchMode):
+    """What meta tensors cannot do, stood in for and counted: real tensors meeting meta ones become meta; values read
+    from data get a stand-in; data-dependent shapes get their upper bound (everything selected); copies off the meta
+    device stay on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.assumed: Counter[str] = Counter()
+        self.bounded: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        tensors = _tensors((args, kwargs))
+        if any(t.is_meta for t in tensors) and not all(t.is_meta for t in tensors):
+            args, kwargs = pytree.tree_map_only(torch.Tensor, _meta, (args, kwargs))
+        if tensors and all(t.is_meta for t in _tensors((args, kwargs))):
+            packet = func.overloadpacket
+            if packet in _SCALAR_OPS:
+                self.assumed[packet.__name__] += 1
+                stand_in = _SCALAR_OPS[packet]
+                return _scalar_stand_in(args[0]) if stand_in is None else stand_in
+            if torch.Tag.dynamic_output_shape in func.tags or packet in (aten.index, aten._unsafe_index):
+                bound = _upper_bound(func, args, kwargs)
+                if bound is not None:
+                    self.bounded[packet.__name__] += 1
+                    return bound
+            if packet is aten._to_copy and kwargs.get("device") is not None and torch.device(kwargs["device"]).type != "meta":
+                kwargs = {**kwargs, "device": torch.device("meta")}
+        return func(*args, **kwargs)
+
+
+class _Deterministic(TorchDispatchMode):
+    """For the micro-batch check: dropout keeps everything (no RNG, the same in every run), other random operators are
+    noted (they make runs incomparable), in-place writes into ``guarded`` storages refused."""
+
+    def __init__(self, guarded: set[int]) -> None:
+        super().__init__()
+        self.guarded = guarded
+        self.random_ops: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        _check_no_parameter_write(func, args, kwargs, self.guarded)
+        packet = func.overloadpacket
+        if packet is aten.native_dropout:
+            x = args[0]
+            return x.clone(), torch.ones_like(x, dtype=torch.bool)
+        if packet in (aten.bernoulli, aten.bernoulli_):
+            target = args[0] if packet is aten.bernoulli_ else torch.empty_like(args[0])
+            return target.fill_(1)
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            if any(arg.name == "dropout_p" for arg in func._schema.arguments):  # fused attention: its dropout off
+                args, kwargs = _with_arg(func, args, kwargs, "dropout_p", 0.0)
             else:
-                module.__dict__[name] = value
+                self.random_ops.add(packet.__name__)
+        return func(*args, **kwargs)
 
 
-def _run_step(module: nn.Module, batch: Any) -> None:
+def _with_arg(func: Any, args: tuple, kwargs: dict, name: str, value: Any) -> tuple[tuple, dict]:
+    """``args``/``kwargs`` with the schema argument ``name`` set to ``value``."""
+    position = next(i for i, arg in enumerate(func._schema.arguments) if arg.name == name)
+    if position < len(args):
+        return (*args[:position], value, *args[position + 1 :]), kwargs
+    return args, {**kwargs, name: value}
+
+
+# --- attributing costs to blocks ----------------------------------------------------------------------
+
+
+@dataclass
+class _Phase:
+    """What one phase of the forward pass (pre, a layer, post) used."""
+
+    storages: set[int] = field(default_factory=set)  # parameter storages its operators read
+    flops: float = 0.0
+    saved: list[tuple[int, float]] = field(default_factory=list)  # (last dimension, bytes) per saved tensor
+    output_bytes: float = 0.0
+    elementwise: float = 0.0  # output elements of the operators that do no matmul
+
+    def split_bytes(self, hidden: int) -> tuple[float, float]:
+        """(replicated, sharded) saved bytes: width-``hidden`` tensors stay whole under tp, wider ones are split."""
+        replicated = sum(b for dim, b in self.saved if dim in (hidden, 0))
+        return replicated, sum(b for _, b in self.saved) - replicated
+
+
+class _Recorder:
+    """Layer hooks and saved-tensor hooks that attribute FLOPs, saved bytes and parameter reads to phases."""
+
+    def __init__(
+        self, layers: list[nn.Module], counter: FlopCounterMode, param_storages: set[int], buffer_storages: set[int], scale: float
+    ) -> None:
+        self.layers = {id(layer): i for i, layer in enumerate(layers)}
+        self.counter = counter
+        self.param_storages = param_storages
+        self.state_storages = param_storages | buffer_storages  # module state: saving a reference to it costs nothing
+        self.scale = scale  # fp32 bytes scale for mixed precision (profiled in fp32)
+        self.phases: dict[str, _Phase] = {"pre": _Phase(), "post": _Phase()}
+        self.current = "pre"
+        self.mark = 0.0
+        self.seen_storages: set[int] = set()
+        self.kept: list[torch.Tensor] = []  # saved tensors stay alive until the end, so no storage id is reused
+        self.hidden = 0
+        self.tokens = 0  # first layer output's elements over its last dimension (samples x tokens per sample)
+        self.batchnorm = False
+
+    def _phase(self) -> _Phase:
+        return self.phases.setdefault(self.current, _Phase())
+
+    def _scale(self, t: torch.Tensor) -> float:
+        """fp32 tensors of the profile are 16-bit in mixed-precision training; others keep their size."""
+        return self.scale if t.dtype is torch.float32 else 1.0
+
+    def _switch(self, name: str) -> None:
+        total = float(self.counter.get_total_flops())
+        self._phase().flops += total - self.mark
+        self.mark, self.current = total, name
+
+    def layer_pre(self, module: nn.Module, args: Any) -> None:
+        self._switch(f"layer{self.layers[id(module)]}")
+
+    def layer_post(self, module: nn.Module, args: Any, output: Any) -> None:
+        out = output[0] if isinstance(output, (tuple, list)) else output
+        if isinstance(out, torch.Tensor):
+            self._phase().output_bytes = out.numel() * out.element_size() * self._scale(out)
+            if out.dim() >= 2 and not self.hidden:
+                self.hidden, self.tokens = out.shape[-1], out.numel() // max(1, out.shape[-1])
+        self._switch("post")
+
+    def batchnorm_pre(self, module: nn.Module, args: Any) -> None:
+        if module.training or getattr(module, "running_mean", None) is None:  # normalised over the batch
+            self.batchnorm = True
+
+    def add_elementwise(self, elements: int) -> None:
+        self._phase().elementwise += elements
+
+    def use_storages(self, tensors: list[torch.Tensor]) -> None:
+        used = {_storage_id(t) for t in tensors} & self.param_storages
+        if used:
+            self._phase().storages |= used
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = _storage_id(t)
+        if storage not in self.state_storages and storage not in self.seen_storages:
+            self.seen_storages.add(storage)
+            self.kept.append(t)
+            nbytes = t.untyped_storage().nbytes() * self._scale(t)
+            self._phase().saved.append((t.shape[-1] if t.dim() else 0, nbytes))
+        return t
+
+    def finish(self) -> None:
+        self._switch(self.current)
+        self.kept.clear()
+
+
+# --- running the step ---------------------------------------------------------------------------------
+
+
+def _run_step(module: nn.Module, batch: Any) -> Any:
+    """``training_step(batch, 0)`` (or ``training_step(batch)``), or ``module(batch)`` for a plain nn.Module."""
     step = getattr(module, "training_step", None)
-    if callable(step):
-        with _quiet_logging(module):
-            step(batch, 0)
-    else:
-        module(batch)
+    if not callable(step):
+        return module(batch)
+    try:
+        inspect.signature(step).bind(batch, 0)
+    except TypeError:
+        return step(batch)
+    except ValueError:  # no signature to read (a builtin): pass the index
+        pass
+    return step(batch, 0)
 
 
-def _params_of(phase: _Phase, module: nn.Module) -> set[nn.Parameter]:
-    """The parameters owned directly by the modules that ran in a phase (real objects, for dedupe)."""
-    owners = dict(module.named_modules())
-    return {p for name in phase.modules for p in owners[name].parameters(recurse=False)}
+def _loss_of(module: nn.Module, stubs: _Stubs, batch: Any) -> tuple[float, torch.dtype]:
+    """The scalar loss of one step and its dtype: returned (a tensor, or a mapping's "loss"), or given to
+    manual_backward."""
+    stubs.last_loss = None
+    out = _run_step(module, batch)
+    loss = out if isinstance(out, torch.Tensor) else out.get("loss") if isinstance(out, Mapping) else None
+    loss = stubs.last_loss if loss is None else loss
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
+        raise ValueError("training_step gave no scalar loss (returned, as a mapping's 'loss', or to manual_backward)")
+    return float(loss.detach().double()), loss.dtype
 
 
-def _block(name: str, role: Role, phase: _Phase, params: int, hidden: int, samples: int, tp_counts: tuple[int, int] = (0, 0), output_bytes: float | None = None) -> BlockSpec:
+class _TooCostly(RuntimeError):
+    """The real method would take too long for a start-up measurement."""
+
+
+@dataclass(frozen=True)
+class _Measured:
+    """A measured spec and what the run stood in for."""
+
+    spec: ModelSpec
+    samples: int
+    assumed: Counter[str]
+    bounded: Counter[str]
+    batchnorm: bool
+
+
+def _measure(module: nn.Module, batch: Any, method: Method, global_batch_size: int, precision: Precision, name: str) -> _Measured:
+    """Run the training step once on an isolated copy (meta, or a real slice) and turn what it used into a spec."""
+    total = batch_size_of(batch)
+    if total < 1:
+        raise ValueError("the example batch holds no tensor with a batch dimension")
+    on_meta = method is Method.META
+    if not on_meta:
+        _check_real_budget(module, batch, total)
+    clone, _ = _isolated_copy(module, on_meta)
+    try:
+        container = find_layers(clone)
+        layers = list(container) if container is not None else []
+        params = list(clone.parameters())
+        if on_meta:
+            samples, run_batch = total, _meta_like(batch)
+        else:
+            samples = min(REAL_SAMPLES, total)
+            run_batch = _slice(batch, 0, samples, total, params[0].device if params else torch.device("cpu"))
+        recorder, ops, fixups = _record(clone, layers, run_batch, on_meta, precision)
+        spec = _to_model_spec(clone, layers, recorder, tensor_parallel_hook(clone), samples, global_batch_size, precision, name)
+        spec = dataclasses.replace(spec, forward_ops=ops, param_tensors=sum(1 for p in params if p.requires_grad))
+        return _Measured(spec, samples, fixups.assumed, fixups.bounded, recorder.batchnorm)
+    finally:
+        _dismantle(clone)
+
+
+def _check_real_budget(module: nn.Module, batch: Any, total: int) -> None:
+    estimate = 2.0 * sum(p.numel() for p in module.parameters()) * _tokens_per_sample(batch) * min(REAL_SAMPLES, total)
+    if estimate > REAL_RUN_FLOPS:
+        raise _TooCostly(f"~{estimate:.2g} FLOPs estimated (2 per parameter per token), over the {REAL_RUN_FLOPS:.2g} budget")
+
+
+def _record(
+    clone: nn.Module, layers: list[nn.Module], batch: Any, on_meta: bool, precision: Precision
+) -> tuple[_Recorder, int, _MetaFixups]:
+    """Run the step on ``batch`` with every counter attached: (recorder, operators dispatched, meta stand-ins)."""
+    params = {_storage_id(p) for p in clone.parameters()}
+    buffers = {_storage_id(b) for b in clone.buffers()}
+    fixups = _MetaFixups()
+    with ExitStack() as stack:
+        counter = stack.enter_context(FlopCounterMode(display=False))
+        recorder = _Recorder(layers, counter, params, buffers, precision.element_bytes / 4)
+        if on_meta:
+            stack.enter_context(fixups)
+        ops = stack.enter_context(_OpCounter(recorder, set() if on_meta else params))  # real: never write the user's weights
+        if on_meta:
+            stack.enter_context(torch.device("meta"))
+        for layer in layers:
+            stack.callback(layer.register_forward_pre_hook(recorder.layer_pre).remove)
+            stack.callback(layer.register_forward_hook(recorder.layer_post).remove)
+        for m in clone.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                stack.callback(m.register_forward_pre_hook(recorder.batchnorm_pre).remove)
+        stack.enter_context(torch.enable_grad())
+        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t))
+        _run_step(clone, batch)
+        recorder.finish()
+    return recorder, ops.ops, fixups
+
+
+# --- building the spec ---------------------------------------------------------------------------------
+
+
+def _counts(params: Iterable[torch.Tensor]) -> tuple[int, int | None]:
+    """(parameters, trainable parameters or None when all of them train)."""
+    params = list(params)
+    total, trainable = sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
+    return total, None if trainable == total else trainable
+
+
+def _block(
+    name: str,
+    role: Role,
+    phase: _Phase,
+    params: Iterable[torch.Tensor],
+    hidden: int,
+    samples: int,
+    tp_counts: tuple[int, int] = (0, 0),
+    output_bytes: float | None = None,
+) -> BlockSpec:
     replicated, sharded = phase.split_bytes(hidden)
+    total, trainable = _counts(params)
     return BlockSpec(
         name=name,
         role=role,
-        params=params,
+        params=total,
+        trainable_params=trainable,
         flops=phase.flops / samples,
         elementwise=phase.elementwise / samples,
         act_replicated_bytes=replicated / samples,
@@ -239,7 +967,8 @@ def _merge_repeats(blocks: list[BlockSpec]) -> list[BlockSpec]:
     for block in blocks:
         if out and out[-1].role is Role.LAYER and block.role is Role.LAYER and _same_costs(out[-1], block):
             prev = out[-1]
-            out[-1] = BlockSpec(**{**_fields(prev), "count": prev.count + 1, "name": prev.name.split("..")[0] + f"..{block.name}"})
+            name = prev.name.split("..")[0] + f"..{block.name}"
+            out[-1] = BlockSpec(**{**_fields(prev), "count": prev.count + 1, "name": name})
         else:
             out.append(block)
     return out
@@ -255,6 +984,308 @@ def _same_costs(a: BlockSpec, b: BlockSpec) -> bool:
     }
 
 
+def _split_ends(rest: list[torch.Tensor], pre: _Phase, post: _Phase) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Parameters outside the layers go where the forward read them: post if read after the layers, pre if read before
+    or never read (a module that did not run); tied parameters read in both go to both."""
+    first, last = [], []
+    for p in rest:
+        storage = _storage_id(p)
+        if storage in post.storages:
+            last.append(p)
+        if storage in pre.storages or storage not in post.storages:
+            first.append(p)
+    return first, last
+
+
+def _layer_params(layers: list[nn.Module]) -> list[list[torch.Tensor]]:
+    """Each layer's parameters, a parameter shared by several layers counted in the first only."""
+    seen: set[int] = set()
+    out = []
+    for layer in layers:
+        own = [p for p in layer.parameters() if id(p) not in seen]
+        seen |= {id(p) for p in own}
+        out.append(own)
+    return out
+
+
+def _to_model_spec(
+    module: nn.Module,
+    layers: list[nn.Module],
+    recorder: _Recorder,
+    tp: tuple[int, TensorParallelSpec] | None,
+    samples: int,
+    global_batch_size: int,
+    precision: Precision,
+    name: str,
+) -> ModelSpec:
+    phases, hidden = recorder.phases, recorder.hidden
+    pre, post = phases.pop("pre"), phases.pop("post")
+    names = {id(m): n for n, m in module.named_modules()}
+    if not layers:  # no layer stack: the whole model is one layer (no pipeline, no recomputation)
+        whole = _Phase(flops=pre.flops + post.flops, saved=pre.saved + post.saved, elementwise=pre.elementwise + post.elementwise)
+        body = [_block(type(module).__name__, Role.LAYER, whole, module.parameters(), hidden, samples)]
+        first: list[torch.Tensor] = []
+        last: list[torch.Tensor] = []
+        pre, post = _Phase(), _Phase()
+    else:
+        body = []
+        per_layer = _layer_params(layers)
+        for i, (layer, own) in enumerate(zip(layers, per_layer)):
+            prefix = names.get(id(layer), f"layer{i}")
+            phase = phases.get(f"layer{i}", _Phase())
+            body.append(_block(prefix, Role.LAYER, phase, own, hidden, samples, _tp_counts(layer, prefix, tp[1] if tp else None)))
+        in_layers = {id(p) for own in per_layer for p in own}
+        first, last = _split_ends([p for p in module.parameters() if id(p) not in in_layers], pre, post)
+    tied_ids = {id(p) for p in first} & {id(p) for p in last}
+    tied, tied_trainable = _counts(p for p in first if id(p) in tied_ids)
+    return ModelSpec(
+        name=name,
+        blocks=(
+            _block("pre", Role.PRE, pre, first, hidden, samples, output_bytes=body[0].output_bytes * samples),
+            *_merge_repeats(body),
+            _block("post", Role.POST, post, last, hidden, samples),
+        ),
+        hidden_size=max(1, hidden),
+        num_heads=tp[0] if tp else 1,
+        seq_length=max(1, recorder.tokens // samples),
+        precision=precision,
+        global_batch_size=global_batch_size,
+        tied_params=tied,
+        tied_trainable_params=tied_trainable,
+    )
+
+
+# --- the parameters method ----------------------------------------------------------------------------
+
+
+def _tokens_per_sample(batch: Any) -> int:
+    """The second dimension of the first integer tensor with two or more dimensions (token ids), else 1."""
+    for t in _batch_tensors(batch):
+        if t.dim() >= 2 and not t.is_floating_point() and not t.is_complex():
+            return int(t.shape[1])
+    return 1
+
+
+def _rule_of_thumb_block(name: str, role: Role, params: list[torch.Tensor], tokens: int, e: int) -> BlockSpec:
+    """One block by rules of thumb: forward FLOPs 2 per parameter per token (Kaplan et al. 2020, C_forward = 2N); a
+    width h with 12h^2 parameters (a transformer layer, Kaplan et al. 2020 eq. 2.1); a layer's saved activations and
+    memory-bound elements as that transformer layer's (Korthikanti et al. 2022, without attention scores)."""
+    n, trainable = _counts(params)
+    h = max(1, round(math.sqrt(n / 12)))
+    is_layer = role is Role.LAYER
+    return BlockSpec(
+        name=name,
+        role=role,
+        params=n,
+        trainable_params=trainable,
+        flops=2.0 * n * tokens,
+        elementwise=layer_elementwise(tokens, h, 4 * h, 0) if is_layer else float(tokens * h),  # a=0: no attention scores
+        act_replicated_bytes=layer_act_replicated_bytes(tokens, h, e) if is_layer else float(e * tokens * h),
+        act_sharded_bytes=layer_act_sharded_bytes(tokens, h, 4 * h, e) if is_layer else 0.0,
+        output_bytes=float(e * tokens * h),
+    )
+
+
+def _ends_by_registration(
+    module: nn.Module, per_layer: list[list[torch.Tensor]]
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Parameters outside the layers: ``pre`` if registered before the layer stack's, else ``post``."""
+    in_layers = {id(p) for own in per_layer for p in own}
+    first: list[torch.Tensor] = []
+    last: list[torch.Tensor] = []
+    passed = False
+    for p in module.parameters():
+        passed = passed or id(p) in in_layers
+        if id(p) not in in_layers:
+            (last if passed else first).append(p)
+    return first, last
+
+
+def _parameters_spec(
+    module: nn.Module, batch: Any, global_batch_size: int, precision: Precision, name: str
+) -> tuple[ModelSpec, tuple[str, ...]]:
+    """A spec from exact parameter counts and stated rules of thumb."""
+    container = find_layers(module)
+    tp = tensor_parallel_hook(module)
+    tokens, e = _tokens_per_sample(batch), precision.element_bytes
+    layers = list(container) if container is not None else [module]
+    per_layer = _layer_params(layers)
+    first, last = _ends_by_registration(module, per_layer) if container is not None else ([], [])
+    names = {id(m): n for n, m in module.named_modules()}
+    body = [
+        _rule_of_thumb_block(names.get(id(layer)) or type(module).__name__, Role.LAYER, own, tokens, e)
+        for layer, own in zip(layers, per_layer)
+    ]
+    pre, post = _rule_of_thumb_block("pre", Role.PRE, first, tokens, e), _rule_of_thumb_block("post", Role.POST, last, tokens, e)
+    spec = ModelSpec(
+        name=name,
+        blocks=(pre, *_merge_repeats(body), post),
+        hidden_size=max(1, round(math.sqrt(body[0].params / 12))),
+        num_heads=tp[0] if tp else 1,
+        seq_length=tokens,
+        precision=precision,
+        global_batch_size=global_batch_size,
+        param_tensors=sum(1 for p in module.parameters() if p.requires_grad),
+    )
+    notes = (
+        f"parameter counts are exact; FLOPs assume 2 per parameter per token (Kaplan et al. 2020) at {tokens} token(s) per "
+        "sample from the example batch's shape (1 unless it holds integer token ids), which under-counts weights reused "
+        "across positions (convolutions)",
+        "activations assume each layer is a transformer layer of width sqrt(params/12) (Korthikanti et al. 2022, "
+        "attention scores left out): activation memory may be under-estimated, and a chosen plan may run out of memory",
+        "operator dispatch overhead is not priced (unknown operator count)",
+    )
+    return spec, notes
+
+
+# --- does the loss depend on the micro-batch? ----------------------------------------------------------
+
+
+def _has_batchnorm_in_training(module: nn.Module) -> bool:
+    return any(
+        isinstance(m, nn.modules.batchnorm._BatchNorm) and (m.training or m.running_mean is None) for m in module.modules()
+    )
+
+
+def _batch_dependence(module: nn.Module, batch: Any, flops_per_sample: float, batchnorm: bool) -> tuple[bool | None, str]:
+    """Whether the loss depends on the micro-batch, and the note saying how that was found."""
+    if batchnorm:
+        return True, (
+            "the loss depends on the micro-batch: BatchNorm normalises over it in training, so the micro-batch size "
+            "changes the optimisation; pin it"
+        )
+    total = batch_size_of(batch)
+    if total < 2:
+        return None, "micro-batch dependence not checked: the example batch has fewer than 2 samples"
+    size = 4 if total >= 4 else 2
+    cost = 2 * size * flops_per_sample
+    if cost > BATCH_CHECK_FLOPS:
+        return None, (
+            f"micro-batch dependence not checked: it would cost {cost:.2g} forward FLOPs (budget {BATCH_CHECK_FLOPS:.2g})"
+        )
+    try:
+        difference, tolerance = _loss_difference(module, batch, size, total)
+    except Exception as err:
+        return None, f"micro-batch dependence not checked: {_reason(Method.REAL, err).removeprefix('real failed: ')}"
+    if difference > tolerance:
+        return True, (
+            f"the loss depends on the micro-batch: the loss of {size} samples differs from the mean loss of its halves by "
+            f"{difference:.2g} (relative; in-batch terms, batch statistics or a sum over samples), so the micro-batch size "
+            "changes the optimisation; pin it"
+        )
+    return False, (
+        f"the loss does not depend on the micro-batch: {size} samples vs the mean of its halves differ "
+        f"by {difference:.2g} (relative)"
+    )
+
+
+def _loss_difference(module: nn.Module, batch: Any, size: int, total: int) -> tuple[float, float]:
+    """Relative difference between the loss of ``size`` samples and the mean loss of its two halves, and the tolerance
+    for the loss's dtype; on a copy sharing the weights, without gradients, with dropout keeping everything."""
+    clone, stubs = _isolated_copy(module, on_meta=False)
+    try:
+        params = list(clone.parameters())
+        device = params[0].device if params else torch.device("cpu")
+        half = size // 2
+        with _Deterministic({_storage_id(p) for p in params}) as mode, torch.no_grad():
+            whole, dtype = _loss_of(clone, stubs, _slice(batch, 0, size, total, device))
+            halves = [_loss_of(clone, stubs, _slice(batch, i, i + half, total, device))[0] for i in (0, half)]
+    finally:
+        _dismantle(clone)
+    if mode.random_ops:
+        raise ValueError(f"the step draws random numbers ({', '.join(sorted(mode.random_ops))}), so runs differ")
+    mean = (halves[0] + halves[1]) / 2
+    if not (math.isfinite(whole) and math.isfinite(mean)):
+        raise ValueError("the loss is not finite")
+    difference = abs(whole - mean) / max(abs(whole), abs(mean), 1e-12)
+    return difference, max(BATCH_CHECK_RTOL, 8 * torch.finfo(dtype).eps)
+
+
+# --- entry points --------------------------------------------------------------------------------------
+
+
+_IDIOMS = {
+    "_local_scalar_dense": ".item()/bool()/int()",
+    "equal": "torch.equal",
+    "allclose": "torch.allclose",
+    "is_nonzero": "bool()",
+    "index": "boolean mask",
+    "_unsafe_index": "boolean mask",
+    "nonzero": "nonzero",
+    "masked_select": "masked_select",
+    "_unique2": "unique",
+    "_unique": "unique",
+    "unique_dim": "unique",
+    "unique_consecutive": "unique_consecutive",
+    "bincount": "bincount",
+}
+"""How users write the operators the meta method stands in for."""
+
+
+def _idioms(counts: Counter[str]) -> str:
+    return ", ".join(sorted({_IDIOMS.get(name, name) for name in counts}))
+
+
+def _measured_notes(measured: _Measured, method: Method) -> tuple[str, ...]:
+    notes = []
+    if method is Method.META:
+        notes.append("FLOPs and saved activations measured exactly on meta tensors (forward; backward priced as 2x forward)")
+    else:
+        notes.append(
+            f"FLOPs and saved activations measured on {measured.samples} real sample(s) of the example batch and scaled "
+            "per sample: data-dependent work follows those samples"
+        )
+    if measured.assumed:
+        notes.append(
+            f"{sum(measured.assumed.values())} data-dependent value(s) ({_idioms(measured.assumed)}) were assumed during "
+            "profiling: work that depends on them may be mis-counted"
+        )
+    if measured.bounded:
+        notes.append(
+            f"{sum(measured.bounded.values())} data-dependent shape(s) ({_idioms(measured.bounded)}) were taken at their "
+            "upper bound, everything selected: FLOPs and activation memory are upper bounds"
+        )
+    return tuple(notes)
+
+
+def profile(
+    module: nn.Module,
+    example_batch: Any,
+    *,
+    global_batch_size: int,
+    precision: Precision = Precision.FP32,
+    name: str | None = None,
+) -> Profile:
+    """Profile ``module`` on ``example_batch``: meta tensors, else a real slice of the batch, else parameter counts.
+
+    Never changes the module, the trainer's logged values or the RNG streams, and never raises for what the
+    module's code does (a malformed ``fleet_layers()``/``fleet_tensor_parallel()`` answer is a FleetError).
+    ``precision`` scales floating-point activation bytes: the profile runs in the module's dtype (fp32) and mixed
+    precision keeps 16-bit activations.
+    """
+    name = name or type(module).__name__
+    find_layers(module)  # a malformed hook answer is the user's to fix: say so now, not as a fallback
+    tensor_parallel_hook(module)
+    with _global_state_kept():
+        failures = []
+        measured = None
+        for method in (Method.META, Method.REAL):
+            try:
+                measured = _measure(module, example_batch, method, global_batch_size, precision, name)
+                break
+            except Exception as err:
+                failures.append(_reason(method, err))
+        if measured is not None:
+            spec, notes = measured.spec, _measured_notes(measured, method)
+            batchnorm = measured.batchnorm
+        else:
+            method = Method.PARAMETERS
+            spec, notes = _parameters_spec(module, example_batch, global_batch_size, precision, name)
+            batchnorm = _has_batchnorm_in_training(module)
+        dependent, note = _batch_dependence(module, example_batch, spec.flops_per_sample, batchnorm)
+    return Profile(spec=spec, method=method, fallback_reason="; ".join(failures), notes=(*notes, note), batch_dependent=dependent)
+
+
 def profile_module(
     module: nn.Module,
     example_batch: Any,
@@ -263,68 +1294,20 @@ def profile_module(
     precision: Precision = Precision.FP32,
     name: str | None = None,
 ) -> ModelSpec:
-    """Measure ``module`` on a meta copy of ``example_batch`` and return its per-block, per-sample ModelSpec.
-
-    ``precision`` scales floating-point activation bytes: the profile runs in fp32 and mixed
-    precision keeps 16-bit activations.
-    """
-    samples = batch_size_of(example_batch)
-    if samples < 1:
-        raise FleetError("cannot profile: the example batch holds no tensor with a batch dimension")
-    layers_container = find_layers(module)
-    layers = list(layers_container) if layers_container is not None else []
-    tp = tensor_parallel_hook(module)
-    names = {id(m): n for n, m in module.named_modules()}
-    meta = {n: torch.empty_like(p, device="meta", requires_grad=p.requires_grad) for n, p in module.named_parameters()}
-    meta.update({n: torch.empty_like(b, device="meta") for n, b in module.named_buffers()})
-    with ExitStack() as stack:
-        counter = stack.enter_context(FlopCounterMode(display=False))
-        storages = {t.untyped_storage()._cdata for t in meta.values()}
-        recorder = _Recorder(layers, names, counter, storages, precision.element_bytes / 4)
-        ops = stack.enter_context(_OpCounter(recorder.add_elementwise))
-        handles = [m.register_forward_pre_hook(recorder.module_pre) for m in module.modules()]
-        for layer in layers:
-            handles.append(layer.register_forward_pre_hook(recorder.layer_pre))
-            handles.append(layer.register_forward_hook(recorder.layer_post))
-        try:
-            stack.enter_context(_reparametrize_module(module, meta))
-            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t))
-            _run_step(module, _meta_like(example_batch))
-            recorder.finish()
-        finally:
-            for handle in handles:
-                handle.remove()
-    spec = _to_model_spec(module, layers, recorder, tp, samples, global_batch_size, precision, name)
-    return dataclasses.replace(spec, forward_ops=ops.ops, param_tensors=sum(1 for p in module.parameters() if p.requires_grad))
+    """:func:`profile`'s ModelSpec (per block, per sample)."""
+    return profile(module, example_batch, global_batch_size=global_batch_size, precision=precision, name=name).spec
 
 
-def _to_model_spec(module, layers, recorder, tp, samples, global_batch_size, precision, name) -> ModelSpec:
-    phases, hidden = recorder.phases, recorder.hidden
-    pre, post = phases.pop("pre"), phases.pop("post")
-    if not layers:  # no layer stack: the whole model is one layer (no pipeline, no recomputation)
-        whole = _Phase(modules=pre.modules | post.modules, flops=pre.flops + post.flops, saved=pre.saved + post.saved,
-                       elementwise=pre.elementwise + post.elementwise)
-        body = [_block(type(module).__name__, Role.LAYER, whole, sum(p.numel() for p in module.parameters()), hidden, samples)]
-        pre, post = _Phase(), _Phase()
-    else:
-        body = []
-        for i, layer in enumerate(layers):
-            prefix = recorder.names[id(layer)]
-            body.append(
-                _block(prefix, Role.LAYER, phases.get(f"layer{i}", _Phase()), sum(p.numel() for p in layer.parameters()), hidden, samples, _tp_counts(layer, prefix, tp[1] if tp else None))
-            )
-    pre_params, post_params = _params_of(pre, module), _params_of(post, module)
-    return ModelSpec(
-        name=name or type(module).__name__,
-        blocks=(
-            _block("pre", Role.PRE, pre, sum(p.numel() for p in pre_params), hidden, samples, output_bytes=body[0].output_bytes * samples),
-            *_merge_repeats(body),
-            _block("post", Role.POST, post, sum(p.numel() for p in post_params), hidden, samples),
-        ),
-        hidden_size=max(1, hidden),
-        num_heads=tp[0] if tp else 1,
-        seq_length=max(1, recorder.seq),
-        precision=precision,
-        global_batch_size=global_batch_size,
-        tied_params=sum(p.numel() for p in pre_params & post_params),
-    )
+__all__ = [
+    "BATCH_CHECK_FLOPS",
+    "BATCH_CHECK_RTOL",
+    "REAL_RUN_FLOPS",
+    "REAL_SAMPLES",
+    "Method",
+    "Profile",
+    "batch_size_of",
+    "find_layers",
+    "profile",
+    "profile_module",
+    "tensor_parallel_hook",
+]

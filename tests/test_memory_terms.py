@@ -487,3 +487,75 @@ def test_full_recompute_keeps_attention_bytes_of_non_layer_blocks():
     load = _load(act_attention_bytes=2000.0, layer_act_attention_bytes=1500.0, checkpoint_bytes=100.0)
     # kept: (2000 - 1500) / 2 = 250 attention + 100 checkpoint (replicated, no sp)
     assert activation_bytes_per_sample(load, tp=2, sp=False, recompute=Recompute.FULL) == pytest.approx(350.0, rel=1e-9)
+
+
+# --- frozen parameters: gradients, optimizer states and offload follow the trainable ones ------------------------
+
+
+@pytest.mark.parametrize(
+    ("offload", "expected"),
+    [
+        (Offload.NONE, 0.0),
+        (Offload.OPTIMIZER, 16 * 2.5e8 / (2 * 4)),  # fp32 master/momentum/variance/gradient of the trainable: 5e8
+        (Offload.OPTIMIZER_PARAMS, (16 * 2.5e8 + 2 * 1e9) / (2 * 4)),  # + bf16 working weights of all 1e9: 7.5e8
+    ],
+)
+def test_host_bytes_of_a_partly_frozen_stage(offload: Offload, expected: float) -> None:
+    """ZeRO-Offload keeps 16 B per trainable parameter on the host; ZeRO-Infinity adds every working weight."""
+    assert host_bytes(1e9, tp=2, dp=4, offload=offload, precision=MIXED, trainable=2.5e8) == pytest.approx(expected, rel=REL)
+
+
+def _frozen_backbone(tied_frozen: bool):
+    """An embedding (1000) tied to the head's weight, two layers of 500 whose adapters (100 each) train, a head of 1100
+    (the tied 1000 and 100 of its own); ``tied_frozen``: the tied embedding is frozen, else everything but the layers'
+    backbone trains."""
+    from lightning_fleet.planning.model import BlockSpec, ModelSpec, Role
+
+    return ModelSpec(
+        name="frozen-backbone",
+        blocks=(
+            BlockSpec(name="embedding", role=Role.PRE, params=1000, trainable_params=0 if tied_frozen else None, flops=0.0),
+            BlockSpec(name="layer", role=Role.LAYER, count=2, params=500, trainable_params=100, flops=1.0),
+            BlockSpec(name="head", role=Role.POST, params=1100, trainable_params=100 if tied_frozen else None, flops=1.0),
+        ),
+        hidden_size=8,
+        num_heads=1,
+        seq_length=4,
+        precision=MIXED,
+        global_batch_size=8,
+        tied_params=1000,
+        tied_trainable_params=0 if tied_frozen else None,
+    )
+
+
+@pytest.mark.parametrize(
+    ("tied_frozen", "trainable"),
+    [
+        (True, 0 + 2 * 100 + 100 - 0),  # 300: adapters and the head's own 100
+        (False, 1000 + 2 * 100 + 1100 - 1000),  # 1300: the tied 1000 train too, counted in both ends, stored once
+    ],
+)
+def test_stage_trainable_params(tied_frozen: bool, trainable: int) -> None:
+    """One stage holds 1000 + 2 x 500 + 1100 - 1000 tied = 2100 parameters; its trainable ones sum the blocks' and
+    subtract the tied ones that train."""
+    model = _frozen_backbone(tied_frozen)
+    (load,) = stage_loads(model, 1)
+    assert load.params == 2100
+    assert load.trainable_params == model.trainable_params == trainable
+    first, last = stage_loads(model, 2)  # one layer each; each end stores (and, if it trains, updates) its copy of the tie
+    assert (first.trainable_params, last.trainable_params) == ((0 + 100, 100 + 100) if tied_frozen else (1000 + 100, 100 + 1100))
+
+
+def test_state_bytes_of_a_partly_frozen_model() -> None:
+    """ZeRO-1, dp 2, bf16, the tied embedding frozen: weights 2 B x 2100; gradients 2 B x 300 trainable; Adam 12 B x
+    300 / dp 2; ZeRO-Offload 16 B x 300 / dp 2 on the host."""
+    from lightning_fleet.planning.estimate import Hardware, stage_state_bytes
+    from tests.conftest import make_cluster
+
+    model = _frozen_backbone(tied_frozen=True)
+    (load,) = stage_loads(model, 1)
+    hw = Hardware.of(make_cluster(devices_per_node=2), model)
+    params, grads, optimizer, _, host = stage_state_bytes(model, hw, load, tp=1, dp=2, zero=1, offload=Offload.NONE)
+    assert (params, grads, optimizer, host) == (2 * 2100, 2 * 300, 12 * 300 / 2, 0.0)
+    params, grads, optimizer, _, host = stage_state_bytes(model, hw, load, tp=1, dp=2, zero=2, offload=Offload.OPTIMIZER)
+    assert (params, grads, optimizer, host) == (2 * 2100, 2 * 300 / 2, 0.0, 16 * 300 / 2)

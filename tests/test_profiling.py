@@ -1,16 +1,25 @@
-"""Profiling an nn.Module on the meta device: FLOPs and memory-bound elements per block, per sample."""
+"""Profiling an nn.Module: FLOPs and memory-bound elements per block, per sample, on the meta device; stand-ins for what
+meta tensors cannot do, the real and parameter-count fallbacks, isolation of the user's module, micro-batch dependence."""
 
 from __future__ import annotations
 
+import copy
+import random
+import threading
+import weakref
+
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import nn
 
 from examples.gpt.model import GPT
+from lightning_fleet import profiling
 from lightning_fleet.planning import Role
 from lightning_fleet.planning.model import layer_elementwise, layer_flops
-from lightning_fleet.profiling import profile_module
+from lightning_fleet.profiling import Method, find_layers, profile, profile_module
 
 
 class _Block(nn.Module):
@@ -59,3 +68,385 @@ def test_gpt_layer_matches_the_closed_forms() -> None:
     (layer,) = [b for b in spec.blocks if b.role is Role.LAYER]
     assert layer.flops == pytest.approx(layer_flops(s, h, 4 * h))
     assert layer.elementwise == pytest.approx(layer_elementwise(s, h, 4 * h, a) + s * s + 4 * s)
+
+
+# --- issue 10: exact parameter counts, stand-ins on meta, fallbacks, isolation, micro-batch dependence ----------------
+
+SEEN: list[int] = []
+"""Batch sizes the steps of the modules below saw (a Python global: the one side effect profiling cannot undo)."""
+KEPT: list[weakref.ref] = []
+"""Weak references to losses a step created."""
+
+
+class _Step(nn.Module):
+    """Linear(8 -> 4) with a mean loss; subclasses add the idiom under test to ``extra``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+
+    def extra(self, x: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        return loss
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        SEEN.append(batch.shape[0])
+        loss = self.lin(batch).pow(2).mean()
+        return self.extra(batch, loss)
+
+
+def _linear_flops(rows_per_sample: float = 1.0) -> float:
+    return 2 * 8 * 4 * rows_per_sample
+
+
+def test_sequential_mlp_parameters_are_counted_once() -> None:
+    """Layers that own their parameters directly (Linear in a Sequential) were counted in ``pre`` too: 10,626 vs 5,313."""
+
+    class Regression(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
+
+        def training_step(self, batch, batch_idx):
+            return F.mse_loss(self.net(batch[0]), batch[1])
+
+    module = Regression()
+    spec = profile(module, (torch.zeros(4, 16), torch.zeros(4, 1)), global_batch_size=4).spec
+    assert sum(p.numel() for p in module.parameters()) == 5313
+    assert spec.params == 5313
+    assert find_layers(module) is None  # Linear, ReLU, Linear: not one repeated type
+
+
+def test_parameters_of_modules_that_never_ran_are_counted_in_pre_and_ties_in_both_ends() -> None:
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(10, 8)
+            self.unused = nn.Linear(8, 3)  # never called in the step
+            self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+            self.head = nn.Linear(8, 10, bias=False)
+            self.head.weight = self.embed.weight
+
+        def training_step(self, batch, batch_idx):
+            x = self.embed(batch)
+            for block in self.blocks:
+                x = block(x)
+            return self.head(x).logsumexp(-1).mean()
+
+    module = Tied()
+    spec = profile(module, torch.zeros(2, 5, dtype=torch.long), global_batch_size=2).spec
+    pre, post = spec.blocks[0], spec.blocks[-1]
+    assert pre.params == 10 * 8 + 8 * 3 + 3  # the embedding and the unused Linear
+    assert post.params == 10 * 8  # the tied head
+    assert spec.tied_params == 10 * 8
+    assert spec.params == sum(p.numel() for p in module.parameters())
+    assert spec.tied_trainable_params is None and all(b.trainable_params is None for b in spec.blocks)
+
+    module.embed.requires_grad_(False)  # a frozen embedding, tied to the head
+    module.blocks[0].requires_grad_(False)
+    spec = profile(module, torch.zeros(2, 5, dtype=torch.long), global_batch_size=2).spec
+    assert [b.trainable_params for b in spec.blocks] == [8 * 3 + 3, 0, None, 0]  # pre: the unused Linear still trains
+    assert spec.tied_trainable_params == 0
+    assert spec.trainable_params == sum(p.numel() for p in module.parameters() if p.requires_grad) == 27 + 72
+
+
+class _Idioms(LightningModule):
+    """What meta tensors cannot do: .item(), bool(), a tensor without a device, self.device, boolean masks, nonzero,
+    unique, torch.equal."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+
+    def training_step(self, batch, batch_idx):
+        x, keep = batch
+        positions = torch.arange(x.shape[0], device=self.device).float()
+        scale = torch.ones(x.shape[1])  # created without a device
+        rows = x[keep] * scale  # boolean mask
+        loss = self.lin(rows).pow(2).mean() + 0 * positions.sum()
+        self.log("loss", loss.item())
+        if bool(loss > 100) or not torch.equal(x, x):
+            raise AssertionError("stand-ins make the step take its usual path")
+        self.log("rows", int(torch.nonzero(keep).shape[0]) + len(torch.unique(x)))
+        return loss
+
+
+def test_meta_stands_in_for_values_shapes_and_devices_and_counts_them() -> None:
+    """Everything the step needs runs on meta; the boolean mask selects every row (the upper bound)."""
+    result = profile(_Idioms(), (torch.randn(6, 8), torch.tensor([True, False] * 3)), global_batch_size=6)
+    assert result.method is Method.META, result.fallback_reason
+    (layer,) = [b for b in result.spec.blocks if b.role is Role.LAYER]
+    assert layer.flops == _linear_flops()  # all 6 rows selected: an upper bound, exact here
+    joined = "\n".join(result.notes)
+    assert "3 data-dependent value(s) (.item()/bool()/int(), torch.equal)" in joined
+    assert "3 data-dependent shape(s) (boolean mask, nonzero, unique) were taken at their upper bound" in joined
+
+
+def test_real_slice_when_meta_cannot_run() -> None:
+    """``.tolist()`` reads data: the step runs on 2 real samples; FLOPs per sample match the meta profile."""
+
+    class ReadsData(_Step):
+        def extra(self, x, loss):
+            self.last = x.sum(-1).tolist()
+            return loss
+
+    SEEN.clear()
+    module = ReadsData()
+    result = profile(module, torch.randn(5, 8), global_batch_size=5)
+    assert result.method is Method.REAL
+    assert result.fallback_reason == (
+        "meta failed: RuntimeError: tolist() shouldn't be called on a tensor with unallocated storage"
+    )
+    assert SEEN[:2] == [5, 2]  # meta on 5 samples failed, then 2 real samples
+    exact = profile(_Step(), torch.randn(5, 8), global_batch_size=5).spec
+    assert [b.flops for b in result.spec.blocks] == [b.flops for b in exact.blocks] == [0.0, _linear_flops(), 0.0]
+    assert result.spec.blocks[1].act_bytes == exact.blocks[1].act_bytes > 0
+    assert "last" not in module.__dict__
+
+
+def test_real_method_leaves_no_graph_behind() -> None:
+    """A step that keeps its (graph-holding) loss: after profiling nothing references it, without a gc pass."""
+
+    class KeepsGraph(_Step):
+        def extra(self, x, loss):
+            x.numpy()  # meta cannot
+            self.kept = [loss]
+            KEPT.append(weakref.ref(loss))
+            return loss
+
+    KEPT.clear()
+    result = profile(KeepsGraph(), torch.randn(4, 8), global_batch_size=4)
+    assert result.method is Method.REAL
+    assert KEPT and all(ref() is None for ref in KEPT)
+
+
+def test_parameters_method_when_no_step_runs() -> None:
+    """Exact parameter counts; FLOPs 2 per parameter per token (Kaplan et al. 2020) at the batch's sequence length."""
+
+    class NeedsGpu(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(16, 8)
+            self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+
+        def training_step(self, batch, batch_idx):
+            raise RuntimeError("this step needs a GPU")
+
+    module = NeedsGpu()
+    result = profile(module, torch.zeros(4, 7, dtype=torch.long), global_batch_size=4)
+    assert result.method is Method.PARAMETERS
+    reason = "RuntimeError: this step needs a GPU"
+    assert result.fallback_reason == f"meta failed: {reason}; real failed: {reason}"
+    spec = result.spec
+    assert spec.params == 16 * 8 + 3 * 72
+    assert [(b.role, b.count, b.params, b.flops) for b in spec.blocks] == [
+        (Role.PRE, 1, 128, 2 * 128 * 7),
+        (Role.LAYER, 3, 72, 2 * 72 * 7),
+        (Role.POST, 1, 0, 0.0),
+    ]
+    assert spec.seq_length == 7
+    assert any("Kaplan et al. 2020" in note for note in result.notes)
+    assert any("may be under-estimated" in note for note in result.notes)
+    assert result.batch_dependent is None
+    assert "micro-batch dependence not checked: RuntimeError: this step needs a GPU" in result.notes[-1]
+
+
+def test_real_method_never_writes_into_the_users_weights() -> None:
+    """The real copy shares the weights' storage: an in-place write is refused before it happens."""
+
+    class WritesWeights(_Step):
+        def extra(self, x, loss):
+            x.numpy()
+            with torch.no_grad():
+                self.lin.weight.mul_(0.0)
+            return loss
+
+    module = WritesWeights()
+    weights = module.lin.weight.detach().clone()
+    result = profile(module, torch.randn(4, 8), global_batch_size=4)
+    assert result.method is Method.PARAMETERS
+    assert "real failed: _ParameterWrite: training_step writes into a parameter in place" in result.fallback_reason
+    assert torch.equal(module.lin.weight, weights)
+
+
+def test_structural_copy_when_deepcopy_fails() -> None:
+    """An unpicklable attribute (a lock): the module is copied structurally; its list and the lock stay untouched."""
+
+    class Locked(_Step):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lock = threading.Lock()
+            self.history: list[torch.Tensor] = [torch.ones(2)]
+
+        def extra(self, x, loss):
+            with self.lock:
+                self.history.append(loss)
+                self.history[0].add_(1.0)
+            return loss
+
+    module = Locked()
+    lock, history, first = module.lock, module.history, module.history[0]
+    with pytest.raises(TypeError):
+        copy.deepcopy(module)
+    result = profile(module, torch.randn(4, 8), global_batch_size=4)
+    assert result.method is Method.META, result.fallback_reason
+    assert module.lock is lock and module.history is history and history == [first] and torch.equal(first, torch.ones(2))
+
+
+def test_rng_streams_and_grad_mode_are_restored() -> None:
+    class Draws(_Step):
+        def extra(self, x, loss):
+            noise = torch.rand(3, device="cpu").sum() + random.random() + float(np.random.rand())
+            return loss + 0 * noise
+
+    module, batch = Draws(), torch.randn(4, 8)
+    states = torch.get_rng_state(), random.getstate(), np.random.get_state()
+    with torch.no_grad():
+        result = profile(module, batch, global_batch_size=4)
+        assert not torch.is_grad_enabled()
+    assert result.spec.blocks[1].act_bytes > 0  # autograd saved tensors: the profile ran with grad enabled
+    assert torch.equal(torch.get_rng_state(), states[0]) and random.getstate() == states[1]
+    assert all(np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b for a, b in zip(np.random.get_state(), states[2]))
+    assert result.batch_dependent is None and "draws random numbers (rand)" in result.notes[-1]
+
+
+class _Loss(nn.Module):
+    """A classifier whose loss is chosen by name; optional BatchNorm, dropout and noise."""
+
+    def __init__(self, reduction: str = "mean", batchnorm: bool = False, dropout: float = 0.0, noise: bool = False) -> None:
+        super().__init__()
+        norm = nn.BatchNorm1d(16) if batchnorm else nn.Identity()
+        self.net = nn.Sequential(nn.Linear(8, 16), norm, nn.Dropout(dropout), nn.Linear(16, 3))
+        self.reduction, self.noise = reduction, noise
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        x = x + torch.randn_like(x) if self.noise else x
+        return F.cross_entropy(self.net(x), y, reduction=self.reduction)
+
+
+@pytest.mark.parametrize(
+    ("module", "samples", "expected", "note"),
+    [
+        (_Loss(), 8, False, "does not depend on the micro-batch: 4 samples vs the mean of its halves"),
+        (_Loss(dropout=0.5), 8, False, "does not depend on the micro-batch"),
+        (_Loss(reduction="sum"), 8, True, "differs from the mean loss of its halves by 0.5"),
+        (_Loss(reduction="sum"), 3, True, "the loss of 2 samples differs from the mean loss of its halves by 0.5"),
+        (_Loss(batchnorm=True), 8, True, "BatchNorm normalises over it in training"),
+        (_Loss(noise=True), 8, None, "not checked: ValueError: the step draws random numbers (randn_like)"),
+        (_Loss(), 1, None, "not checked: the example batch has fewer than 2 samples"),
+    ],
+)
+def test_micro_batch_dependence(module: nn.Module, samples: int, expected: bool | None, note: str) -> None:
+    batch = (torch.randn(samples, 8), torch.arange(samples) % 3)
+    result = profile(module, batch, global_batch_size=samples)
+    assert result.batch_dependent is expected
+    assert note in result.notes[-1]
+
+
+def test_micro_batch_check_has_a_flops_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(profiling, "BATCH_CHECK_FLOPS", 100.0)
+    result = profile(_Loss(reduction="sum"), (torch.randn(8, 8), torch.zeros(8, dtype=torch.long)), global_batch_size=8)
+    assert result.batch_dependent is None
+    flops = 2 * 4 * (2 * 8 * 16 + 2 * 16 * 3)  # the 4-sample batch and its two halves, two Linear layers
+    assert result.notes[-1] == f"micro-batch dependence not checked: it would cost {flops:.2g} forward FLOPs (budget 1e+02)"
+
+
+class _Gan(LightningModule):
+    """Manual optimization with two optimizers, toggling, clipping, a scheduler sized by the trainer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.generator, self.critic = nn.Linear(4, 8), nn.Linear(8, 1)
+
+    def training_step(self, batch, batch_idx):
+        opt_g, opt_c = self.optimizers()
+        fake = self.generator(torch.randn(batch.shape[0], 4, device=self.device))
+        self.toggle_optimizer(opt_c)
+        critic_loss = self.critic(fake.detach()).mean() - self.critic(batch).mean()
+        opt_c.zero_grad()
+        self.manual_backward(critic_loss)
+        self.clip_gradients(opt_c, gradient_clip_val=1.0)
+        opt_c.step()
+        self.untoggle_optimizer(opt_c)
+        generator_loss = -self.critic(fake).mean()
+        opt_g.zero_grad()
+        self.manual_backward(generator_loss)
+        opt_g.step()
+        self.lr_schedulers().step()
+        self.log_dict({"critic": critic_loss, "generator": generator_loss.item()})
+
+    def configure_optimizers(self):
+        opt_g, opt_c = torch.optim.Adam(self.generator.parameters()), torch.optim.Adam(self.critic.parameters())
+        total = self.trainer.estimated_stepping_batches
+        return [opt_g, opt_c], [torch.optim.lr_scheduler.OneCycleLR(opt_g, max_lr=0.1, total_steps=int(total))]
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.randn(8, 8), batch_size=4)
+
+
+class _ProfileAtSetup(Callback):
+    """Profiles the module where the fleet strategy does: at setup, before the trainer has loaded its data."""
+
+    def setup(self, trainer, pl_module, stage):
+        batch = next(iter(pl_module.train_dataloader()))
+        self.result = profile(pl_module, batch, global_batch_size=4)
+        self.data_loaded = trainer.train_dataloader is not None
+        self.logged = dict(trainer.callback_metrics)
+
+
+def test_manual_optimization_profiles_at_setup_without_loading_data_early(tmp_path) -> None:
+    callback = _ProfileAtSetup()
+    trainer = Trainer(default_root_dir=tmp_path, max_epochs=1, accelerator="cpu", devices=1, logger=False, callbacks=[callback],
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(_Gan())
+    assert callback.result.method is Method.META, callback.result.fallback_reason
+    assert not callback.data_loaded and callback.logged == {}
+    assert callback.result.spec.params == 4 * 8 + 8 + 8 + 1
+    assert trainer.global_step == 2 * 2  # the fit itself ran: two optimizers stepped on two batches
+
+
+def test_report_lines_and_profile_module() -> None:
+    result = profile(_Step(), torch.randn(4, 8), global_batch_size=4)
+    assert result.report_lines()[0] == "profiling: meta (exact, training_step on meta tensors)"
+    assert result.report_lines()[1:] == [f"  {note}" for note in result.notes]
+    assert profile_module(_Step(), torch.randn(4, 8), global_batch_size=4) == result.spec
+
+
+def test_real_method_has_a_flops_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A module too large to run for real at start-up gets parameter counts instead (2 x 36 params x 1 token x 2 samples)."""
+
+    class ReadsData(_Step):
+        def extra(self, x, loss):
+            x.numpy()
+            return loss
+
+    monkeypatch.setattr(profiling, "REAL_RUN_FLOPS", 100.0)
+    result = profile(ReadsData(), torch.randn(4, 8), global_batch_size=4)
+    assert result.method is Method.PARAMETERS
+    assert result.fallback_reason.endswith(
+        "real failed: _TooCostly: ~1.4e+02 FLOPs estimated (2 per parameter per token), over the 1e+02 budget"
+    )
+
+
+def test_every_supported_data_dependent_shape_gets_its_upper_bound() -> None:
+    class Shapes(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def training_step(self, batch, batch_idx):
+            x = self.lin(batch)
+            ids = (batch > 0).long().flatten()
+            values, inverse, counts = torch.unique(x, return_inverse=True, return_counts=True)
+            assert values.shape == (6 * 4,) and inverse.shape == (6, 4) and counts.shape == (6 * 4,)
+            rows, row_counts = torch.unique(x, dim=0, return_counts=True)
+            assert rows.shape == (6, 4) and row_counts.shape == (6,)
+            runs = torch.unique_consecutive(ids)
+            bins = torch.bincount(ids, minlength=3) + torch.bincount(ids, weights=ids.float(), minlength=3)
+            assert runs.shape == (24,) and bins.shape == (3,) and x.masked_select(batch > 0).shape == (24,)
+            return x.mean()
+
+    result = profile(Shapes(), torch.randn(6, 4), global_batch_size=6)
+    assert result.method is Method.META, result.fallback_reason
+    assert "6 data-dependent shape(s) (bincount, masked_select, unique, unique_consecutive)" in result.notes[1]

@@ -188,3 +188,36 @@ def test_block_layout_errors(tmp_path):
     model["blocks"] = list(reversed(model["blocks"]))
     with pytest.raises(SpecError, match="blocks must be ordered pre..., layer..., post..."):
         model_from_dict(model)
+
+
+def test_trainable_counts_round_trip_and_default_to_all():
+    """Frozen parameters: trainable_params per block and tied_trainable_params survive load -> dump -> load; unset,
+    they are left out of the YAML and mean 'all of them train'."""
+    model = load_model("gpt-tiny").to_dict()
+    assert all("trainable_params" not in block for block in model["blocks"]) and "tied_trainable_params" not in model
+    model["blocks"][0]["trainable_params"] = 0  # frozen embedding, tied to the head
+    model["tied_trainable_params"] = 0
+    spec = model_from_dict(model)
+    again = model_from_dict(yaml.safe_load(spec.to_yaml()))
+    assert again == spec and again.blocks[0].trainable_params == 0 and again.blocks[1].trainable_params is None
+    embedding, layer, head = again.blocks
+    assert again.trainable_params == layer.params * layer.count + head.params  # the tied head weight trains in no block
+    assert again.params == embedding.params + layer.params * layer.count + head.params - again.tied_params
+
+
+@pytest.mark.parametrize(
+    ("where", "value", "message"),
+    [
+        ("block", -1, "block 'embedding': trainable_params must be >= 0, got -1"),
+        ("block", 10**12, "block 'embedding': trainable_params (1000000000000) must be <= params"),
+        ("block", True, "trainable_params must be an integer, got True"),
+        ("model", 10**12, "model.tied_trainable_params (1000000000000) must be <= tied_params"),
+    ],
+)
+def test_bad_trainable_counts_are_one_line_errors(where, value, message):
+    model = load_model("gpt-tiny").to_dict()
+    target = model["blocks"][0] if where == "block" else model
+    target["trainable_params" if where == "block" else "tied_trainable_params"] = value
+    with pytest.raises(SpecError) as err:
+        model_from_dict(model)
+    assert message in str(err.value) and "\n" not in str(err.value)

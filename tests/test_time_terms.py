@@ -427,3 +427,76 @@ def test_offload_adds_its_per_tensor_overhead() -> None:
     calibration = Calibration(zero_tensor_overhead_s=(0.0, 0.0, 0.0, 0.0005), offload_tensor_overhead_s=(0.0002, 0.0006))
     assert microbatch_overhead_s(0, calibration, 3, param_tensors=40, offload=Offload.OPTIMIZER) == pytest.approx(40 * 0.0007, rel=REL)
     assert microbatch_overhead_s(0, calibration, 3, param_tensors=40, offload=Offload.OPTIMIZER_PARAMS) == pytest.approx(40 * 0.0011, rel=REL)
+
+
+# --- frozen parameters: gradient communication, the optimizer step and offload follow the trainable ones -----------
+
+# 1e9 of the 4e9 parameters train: gradients 2 * 1e9 / 4 = 5e8 B per device; dp = 8 on LINK.
+AR_T = 2 * 7 * 5e-6 + 2 * 7 / 8 * 5e8 / 100e9  # 7e-5 + 0.00875 = 0.00882
+AG_T = 7 * 5e-6 + 7 / 8 * 5e8 / 100e9  # 3.5e-5 + 0.004375 = 0.00441 (the updated weights, the gradient scatter)
+
+
+@pytest.mark.parametrize(
+    ("zero", "expected"),
+    [
+        (0, AR_T),  # the trainable gradients' all-reduce: 0.00882
+        (1, AG_T + AG_T),  # their reduce-scatter + the updated weights' all-gather: 0.00882
+        (2, GAS * AG_T + AG_T),  # 5 * 0.00441 = 0.02205
+        (3, GAS * (AG + AG + AG_T)),  # ZeRO-3 gathers all 4e9 weights twice, scatters 1e9 gradients: 4 * 0.03948 = 0.15792
+    ],
+)
+def test_dp_comm_s_of_a_partly_frozen_stage(zero: int, expected: float) -> None:
+    got = dp_comm_s(
+        4e9,
+        tp=4,
+        dp=8,
+        zero=zero,
+        gas=GAS,
+        precision=Precision.BF16_MIXED,
+        link=LINK,
+        forward_time_s=FWD,
+        backward_time_s=BWD,
+        overlap=0.0,
+        trainable=1e9,
+    )
+    assert got == pytest.approx(expected, rel=REL)
+
+
+@pytest.mark.parametrize(
+    ("offload", "expected"),
+    [
+        # 2.5e8 of 1e9 train: gradient shard 2 * 2.5e8 / 8 = 6.25e7 B, gas + 1 = 4 transfers: 0.01 s; CPU Adam on
+        # 2.5e8 / 8 params * 8 devices / 2e9 params/s = 0.125 s
+        (Offload.OPTIMIZER, 4 * 6.25e7 / 25e9 + 2.5e8 / 8 * 8 / 2e9),  # 0.135
+        # ZeRO-Infinity: + 2 * gas fetches of all weights, 6 * 2 * 1e9 / 8 = 1.5e9 B: 0.06 s
+        (Offload.OPTIMIZER_PARAMS, (4 * 6.25e7 + 6 * 2.5e8) / 25e9 + 2.5e8 / 8 * 8 / 2e9),  # 0.195
+    ],
+)
+def test_offload_s_of_a_partly_frozen_stage(offload: Offload, expected: float) -> None:
+    got = offload_s(
+        1e9,
+        tp=2,
+        dp=4,
+        gas=3,
+        offload=offload,
+        precision=Precision.BF16_MIXED,
+        pcie_GBps=25.0,
+        cpu_adam_params_per_s=2e9,
+        devices_per_node=8,
+        trainable=2.5e8,
+    )
+    assert got == pytest.approx(expected, rel=REL)
+
+
+def test_time_estimate_steps_only_the_trainable_parameters() -> None:
+    """A model of 2100 parameters of which 300 train (tests/test_memory_terms.py's frozen backbone), ZeRO-1 at dp 2:
+    the optimizer step is 300 / 2 params at the calibrated Adam rate, not 2100 / 2."""
+    from lightning_fleet.planning.estimate import Hardware, time_estimate
+    from lightning_fleet.planning.plan import Plan
+    from tests.conftest import make_cluster
+    from tests.test_memory_terms import _frozen_backbone
+
+    model = _frozen_backbone(tied_frozen=True)
+    hw = Hardware.of(make_cluster(devices_per_node=2), model)
+    plan = Plan(dp=2, zero=1, mbs=4, gas=1)
+    assert time_estimate(model, hw, plan).optimizer_s == pytest.approx(300 / 2 / hw.calibration.adam_params_per_s, rel=REL)

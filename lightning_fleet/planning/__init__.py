@@ -33,7 +33,7 @@ from lightning_fleet.planning.model import (
     model_presets,
     transformer_model,
 )
-from lightning_fleet.planning.plan import Axis, Offload, Plan, Recompute, parse_plan
+from lightning_fleet.planning.plan import Axis, Offload, PartialPlan, Plan, Recompute, parse_partial_plan, parse_plan
 from lightning_fleet.planning.search import Constraints, PlanResult, Rejection
 from lightning_fleet.planning.search import plan  # bound last: the function, not the plan module
 
@@ -52,6 +52,7 @@ __all__ = [
     "ModelSpec",
     "NoFeasiblePlanError",
     "Offload",
+    "PartialPlan",
     "PeakTflops",
     "Plan",
     "PlanError",
@@ -70,6 +71,7 @@ __all__ = [
     "load_transformer",
     "model_from_dict",
     "model_presets",
+    "parse_partial_plan",
     "parse_plan",
     "plan",
     "transformer_model",

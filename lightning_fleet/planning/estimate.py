@@ -70,8 +70,9 @@ class Hardware:
 def stage_state_bytes(
     model: ModelSpec, hw: Hardware, load: StageLoad, *, tp: int, dp: int, zero: int, offload: Offload
 ) -> tuple[float, float, float, float, float]:
-    """Everything but activations on one device of a stage: (params, grads, optimizer, other, host) bytes."""
-    n, p = load.params, model.precision
+    """Everything but activations on one device of a stage: (params, grads, optimizer, other, host) bytes; gradients and
+    optimizer states for its trainable parameters only."""
+    n, t, p = load.params, load.trainable_params, model.precision
     other = (
         mem.comm_buffer_bytes(n, tp=tp, dp=dp, zero=zero, precision=p)
         + mem.zero3_gather_bytes(load.largest_block_params, tp=tp, zero=zero, precision=p)
@@ -79,10 +80,10 @@ def stage_state_bytes(
     )
     return (
         mem.params_bytes(n, tp=tp, dp=dp, zero=zero, offload=offload, precision=p),
-        mem.grads_bytes(n, tp=tp, dp=dp, zero=zero, precision=p),
-        mem.optimizer_bytes(n, tp=tp, dp=dp, zero=zero, offload=offload, precision=p),
+        mem.grads_bytes(t, tp=tp, dp=dp, zero=zero, precision=p),
+        mem.optimizer_bytes(t, tp=tp, dp=dp, zero=zero, offload=offload, precision=p),
         other,
-        mem.host_bytes(n, tp=tp, dp=dp, offload=offload, precision=p),
+        mem.host_bytes(n, tp=tp, dp=dp, offload=offload, precision=p, trainable=t),
     )
 
 
@@ -184,7 +185,7 @@ class TimeModel:
     Mutable (its memo tables grow); one per search and hardware, not shared between threads.
     """
 
-    __slots__ = ("_compute", "_dp", "_fwd", "_largest", "_least_step_overhead_s", "_links", "_loads", "_offload", "_overhead_s", "_rates", "_slowest", "hw", "model")
+    __slots__ = ("_compute", "_dp", "_fwd", "_least_step_overhead_s", "_links", "_loads", "_offload", "_optimizer", "_overhead_s", "_rates", "_slowest", "hw", "model")
 
     def __init__(self, model: ModelSpec, hw: Hardware) -> None:
         self.model = model
@@ -194,7 +195,6 @@ class TimeModel:
         self._overhead_s: dict[tuple[int, int, Recompute, Offload], float] = {}
         self._least_step_overhead_s = min(hw.calibration.step_overhead(zero) for zero in range(4))
         self._loads: dict[int, tuple[StageLoad, ...]] = {}
-        self._largest: dict[int, StageLoad] = {}
         self._rates: dict[tuple[int, int], float] = {}
         self._links: dict[tuple[int, int, int, tuple[Axis, ...]], tuple[LinkSpec, LinkSpec, LinkSpec]] = {}
         self._fwd: dict[tuple[int, int, int, int], float] = {}
@@ -202,13 +202,13 @@ class TimeModel:
         self._slowest: dict[tuple[int, int, int, Recompute, bool, int, int, int], tuple[float, float, float, float]] = {}
         self._dp: dict[tuple[int, int, int, int, int, int, Recompute, int], float] = {}
         self._offload: dict[tuple[int, int, int, int, Offload], float] = {}
+        self._optimizer: dict[tuple[int, int, int, int, Offload], float] = {}
 
     def loads(self, pp: int) -> tuple[StageLoad, ...]:
         """:func:`stage_loads` of the model for ``pp`` stages."""
         loads = self._loads.get(pp)
         if loads is None:
             loads = self._loads[pp] = stage_loads(self.model, pp)
-            self._largest[pp] = max(loads, key=lambda load: load.params)
         return loads
 
     def rate(self, mbs: int, tp: int) -> float:
@@ -320,36 +320,42 @@ class TimeModel:
             forward_time_s=fwd,
             backward_time_s=bwd,
             overlap=self.hw.calibration.overlap,
+            trainable=load.trainable_params,
         )
 
     def _optimizer_s(self, plan: Plan) -> float:
-        """The device optimizer step of the stage holding the most parameters."""
-        self.loads(plan.pp)
-        return tm.optimizer_step_s(
-            self._largest[plan.pp].params,
-            tp=plan.tp,
-            dp=plan.dp,
-            zero=plan.zero,
-            offload=plan.offload,
-            adam_params_per_s=self.hw.calibration.adam_params_per_s,
-        )
+        """The device optimizer step of the stage with the most trainable parameters."""
+        key = (plan.pp, plan.tp, plan.dp, plan.zero, plan.offload)
+        seconds = self._optimizer.get(key)
+        if seconds is None:
+            rate = self.hw.calibration.adam_params_per_s
+            seconds = self._optimizer[key] = max(
+                tm.optimizer_step_s(
+                    load.trainable_params, tp=plan.tp, dp=plan.dp, zero=plan.zero, offload=plan.offload, adam_params_per_s=rate
+                )
+                for load in self.loads(plan.pp)
+            )
+        return seconds
 
     def _offload_s(self, plan: Plan) -> float:
         key = (plan.pp, plan.tp, plan.dp, plan.gas, plan.offload)
         seconds = self._offload.get(key)
         if seconds is None:
-            self.loads(plan.pp)
             hw = self.hw
-            seconds = self._offload[key] = tm.offload_s(
-                self._largest[plan.pp].params,
-                tp=plan.tp,
-                dp=plan.dp,
-                gas=plan.gas,
-                offload=plan.offload,
-                precision=self.model.precision,
-                pcie_GBps=hw.pcie_GBps,
-                cpu_adam_params_per_s=hw.calibration.cpu_adam_params_per_s,
-                devices_per_node=hw.devices_per_node,
+            seconds = self._offload[key] = max(
+                tm.offload_s(
+                    load.params,
+                    tp=plan.tp,
+                    dp=plan.dp,
+                    gas=plan.gas,
+                    offload=plan.offload,
+                    precision=self.model.precision,
+                    pcie_GBps=hw.pcie_GBps,
+                    cpu_adam_params_per_s=hw.calibration.cpu_adam_params_per_s,
+                    devices_per_node=hw.devices_per_node,
+                    trainable=load.trainable_params,
+                )
+                for load in self.loads(plan.pp)
             )
         return seconds
 

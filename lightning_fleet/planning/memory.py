@@ -1,7 +1,8 @@
 """Bytes per device, one small pure function per term.
 
-``n`` is the number of parameters a pipeline stage holds before tensor parallelism; every function
-returns bytes on ONE device of that stage.
+``n`` is the number of parameters a pipeline stage holds before tensor parallelism (for gradients and
+optimizer states: the trainable ones, the caller passes those); every function returns bytes on ONE
+device of that stage.
 """
 
 from __future__ import annotations
@@ -44,12 +45,15 @@ def optimizer_bytes(n: float, *, tp: int, dp: int, zero: int, offload: Offload, 
     return optimizer_bytes_per_param(precision) * n / (tp * shard)
 
 
-def host_bytes(n: float, *, tp: int, dp: int, offload: Offload, precision: Precision) -> float:
-    """Host memory per device: ZeRO-Offload (Ren 2021, Sec. 4) keeps the fp32 master/momentum/variance and fp32 gradient partition (16 B/param); ZeRO-Infinity adds the working weights."""
+def host_bytes(n: float, *, tp: int, dp: int, offload: Offload, precision: Precision, trainable: float | None = None) -> float:
+    """Host memory per device: ZeRO-Offload (Ren 2021, Sec. 4) keeps the fp32 master/momentum/variance and fp32 gradient
+    partition (16 B per trainable parameter, ``trainable`` of the ``n``, default all); ZeRO-Infinity adds the working
+    weights of all ``n``."""
     if offload is Offload.NONE:
         return 0.0
-    per_param = 16.0 + (precision.element_bytes if offload is Offload.OPTIMIZER_PARAMS else 0)
-    return per_param * n / (tp * dp)
+    t = n if trainable is None else trainable
+    weights = precision.element_bytes * n if offload is Offload.OPTIMIZER_PARAMS else 0.0
+    return (16.0 * t + weights) / (tp * dp)
 
 
 def in_flight_microbatches(*, stage: int, pp: int, vpp: int, gas: int) -> float:

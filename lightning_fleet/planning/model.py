@@ -86,9 +86,16 @@ class BlockSpec:
     """Tensor-parallel all-reduces of ``output_bytes`` in the forward pass."""
     tp_allreduces_bwd: int = 0
     """Tensor-parallel all-reduces of ``output_bytes`` in the backward pass."""
+    trainable_params: int | None = None
+    """Parameters of one block that train (``requires_grad``); None: all of them. Gradients, optimizer states and
+    their communication scale with these, the working weights with ``params``."""
 
     def __post_init__(self) -> None:
         where = f"block {self.name!r}: "
+        if self.trainable_params is not None:
+            require_non_negative(where, trainable_params=self.trainable_params)
+            if self.trainable_params > self.params:
+                raise SpecError(f"{where}trainable_params ({self.trainable_params}) must be <= params ({self.params})")
         require_positive(where, count=self.count)
         require_non_negative(
             where,
@@ -109,6 +116,11 @@ class BlockSpec:
     def act_bytes(self) -> float:
         """All saved bytes per sample without parallelism or recomputation."""
         return self.act_replicated_bytes + self.act_sharded_bytes + self.act_attention_bytes
+
+    @property
+    def trainable(self) -> int:
+        """Parameters of one block that train."""
+        return self.params if self.trainable_params is None else self.trainable_params
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -135,9 +147,17 @@ class ModelSpec:
     """Operators one forward pass of a micro-batch dispatches (measured by profiling; 0 when unknown)."""
     param_tensors: int = 0
     """Parameter tensors of the whole model (ZeRO's per-parameter hooks cost time per tensor; 0 when unknown)."""
+    tied_trainable_params: int | None = None
+    """How many of ``tied_params`` train; None: all of them."""
 
     def __post_init__(self) -> None:
         require_non_negative("model.", forward_ops=self.forward_ops, param_tensors=self.param_tensors)
+        if self.tied_trainable_params is not None:
+            require_non_negative("model.", tied_trainable_params=self.tied_trainable_params)
+            if self.tied_trainable_params > self.tied_params:
+                raise SpecError(
+                    f"model.tied_trainable_params ({self.tied_trainable_params}) must be <= tied_params ({self.tied_params})"
+                )
         require_positive(
             "model.",
             hidden_size=self.hidden_size,
@@ -165,13 +185,29 @@ class ModelSpec:
         return sum(b.params * b.count for b in self.blocks) - self.tied_params
 
     @property
+    def tied_trainable(self) -> int:
+        """Tied parameters that train."""
+        return self.tied_params if self.tied_trainable_params is None else self.tied_trainable_params
+
+    @property
+    def trainable_params(self) -> int:
+        """Total distinct parameters that train."""
+        return sum(b.trainable * b.count for b in self.blocks) - self.tied_trainable
+
+    @property
     def flops_per_sample(self) -> float:
         """Forward FLOPs of one sample."""
         return sum(b.flops * b.count for b in self.blocks)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain mapping in the per-block YAML layout."""
-        return to_mapping(self)
+        """Plain mapping in the per-block YAML layout (unset trainable counts left out: all parameters train)."""
+        out = to_mapping(self)
+        if self.tied_trainable_params is None:
+            del out["tied_trainable_params"]
+        for block in out["blocks"]:
+            if block["trainable_params"] is None:
+                del block["trainable_params"]
+        return out
 
     def to_yaml(self) -> str:
         """YAML text that :func:`load_model` reads back to an equal spec."""

@@ -7,6 +7,10 @@ String form (also ``str(plan)``)::
 Keys may be left out when parsing: zero=0, mbs=1, recompute=none, sp=false, vpp=1, offload=none,
 gas derived from the global batch size. ``order=tp-dp-pp`` (innermost axis first) is printed only
 when it differs from the default placement.
+
+A :class:`PartialPlan` (:func:`parse_partial_plan`) reads the same strings with the other meaning:
+the keys given are fixed and the planner chooses the rest (``dp=2,zero=1``: ZeRO-1 on two replicas,
+any micro-batch size, recomputation and offload that fit).
 """
 
 from __future__ import annotations
@@ -14,9 +18,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 from lightning_fleet.planning.errors import PlanError
+
+if TYPE_CHECKING:
+    from lightning_fleet.planning.search import Constraints
 
 
 class Axis(StrEnum):
@@ -47,6 +54,7 @@ DEFAULT_ORDER: tuple[Axis, ...] = (Axis.TP, Axis.DP, Axis.PP)
 """Default placement, innermost first: tp on consecutive ranks of a node, then dp, then pp."""
 
 _KEYS = ("dp", "tp", "pp", "zero", "mbs", "gas", "recompute", "sp", "vpp", "offload", "order")
+_INT_KEYS = ("dp", "tp", "pp", "mbs", "gas", "vpp")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -77,28 +85,20 @@ class Plan:
     """Placement of the axes on ranks, innermost (consecutive ranks) first."""
 
     def __post_init__(self) -> None:
-        for name in ("dp", "tp", "pp", "mbs", "gas", "vpp"):
+        for name in _INT_KEYS:  # the checks of _check_positive and _check_zero, inline: the search builds many plans
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise PlanError(f"plan: {name} must be a positive integer, got {value!r}")
+                _check_positive(name, value)
         if self.zero not in (0, 1, 2, 3) or isinstance(self.zero, bool):
-            raise PlanError(f"plan: zero must be 0, 1, 2 or 3, got {self.zero!r}")
+            _check_zero(self.zero)
         if type(self.recompute) is not Recompute:
             object.__setattr__(self, "recompute", _enum(Recompute, self.recompute, "recompute"))
         if type(self.offload) is not Offload:
             object.__setattr__(self, "offload", _enum(Offload, self.offload, "offload"))
         if self.order is not DEFAULT_ORDER:
-            object.__setattr__(self, "order", tuple(_enum(Axis, a, "order") for a in self.order))
-        if self.order is not DEFAULT_ORDER and sorted(self.order) != sorted(Axis):
-            raise PlanError(f"plan: order must name dp, tp and pp once each, got {'-'.join(self.order)}")
-        if self.sp and self.tp == 1:
-            raise PlanError("plan: sp=true needs tp > 1 (sequence parallelism splits along the tensor-parallel group)")
-        if self.vpp > 1 and self.pp == 1:
-            raise PlanError(f"plan: vpp={self.vpp} needs pp > 1 (virtual stages interleave a pipeline)")
-        if self.offload is not Offload.NONE and self.zero == 0:
-            raise PlanError(f"plan: offload={self.offload} needs zero >= 1 (DeepSpeed offloads ZeRO partitions)")
-        if self.offload is Offload.OPTIMIZER_PARAMS and self.zero != 3:
-            raise PlanError(f"plan: offload=optimizer+params needs zero=3, got zero={self.zero}")
+            object.__setattr__(self, "order", _check_order(self.order))
+        if self.sp and self.tp == 1 or self.vpp > 1 and self.pp == 1 or self.offload is not Offload.NONE:
+            _check_pairs(tp=self.tp, pp=self.pp, zero=self.zero, sp=self.sp, vpp=self.vpp, offload=self.offload)
 
     @property
     def world_size(self) -> int:
@@ -158,6 +158,40 @@ def _enum(cls: type, value: object, name: str):
         raise PlanError(f"plan: {name} must be one of {', '.join(cls)}, got {value!r}") from None
 
 
+def _check_positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise PlanError(f"plan: {name} must be a positive integer, got {value!r}")
+
+
+def _check_zero(value: object) -> None:
+    if value not in (0, 1, 2, 3) or isinstance(value, bool):
+        raise PlanError(f"plan: zero must be 0, 1, 2 or 3, got {value!r}")
+
+
+def _check_order(order: object) -> tuple[Axis, ...]:
+    """The placement as Axis values; each of dp, tp and pp exactly once."""
+    if isinstance(order, str) or not isinstance(order, (tuple, list)):
+        raise PlanError(f"plan: order must name dp, tp and pp once each, got {order!r}")
+    axes = tuple(_enum(Axis, a, "order") for a in order)
+    if sorted(axes) != sorted(Axis):
+        raise PlanError(f"plan: order must name dp, tp and pp once each, got {'-'.join(axes)}")
+    return axes
+
+
+def _check_pairs(
+    *, tp: int | None, pp: int | None, zero: int | None, sp: bool | None, vpp: int | None, offload: Offload | None
+) -> None:
+    """The rules between two fields, checked where both are known (None: not fixed)."""
+    if sp and tp == 1:
+        raise PlanError("plan: sp=true needs tp > 1 (sequence parallelism splits along the tensor-parallel group)")
+    if vpp is not None and vpp > 1 and pp == 1:
+        raise PlanError(f"plan: vpp={vpp} needs pp > 1 (virtual stages interleave a pipeline)")
+    if offload is not None and offload is not Offload.NONE and zero == 0:
+        raise PlanError(f"plan: offload={offload} needs zero >= 1 (DeepSpeed offloads ZeRO partitions)")
+    if offload is Offload.OPTIMIZER_PARAMS and zero is not None and zero != 3:
+        raise PlanError(f"plan: offload=optimizer+params needs zero=3, got zero={zero}")
+
+
 def parse_plan(text: str, *, global_batch_size: int | None = None) -> Plan:
     """Parse ``dp=..,tp=..,...``; gas, when left out, is global_batch_size / (dp * mbs)."""
     fields = _split_plan(text)
@@ -212,3 +246,130 @@ def plan_from_mapping(data: Mapping[str, object]) -> Plan:
     if isinstance(data.get("order"), str):
         data["order"] = tuple(str(data["order"]).split("-"))
     return Plan(**data)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PartialPlan:
+    """Some axes of a plan fixed, the others left to the planner; every field is optional (None: the planner chooses).
+
+    ``PartialPlan(zero=1, mbs=4)``: ZeRO-1 with micro-batches of 4, any layout, recomputation and
+    offload that fit. Values are validated as :class:`Plan` validates them, and the rules between
+    two fields (sp needs tp > 1, vpp > 1 needs pp > 1, offload needs zero >= 1) where both are fixed.
+    """
+
+    dp: int | None = None
+    """Data-parallel degree."""
+    tp: int | None = None
+    """Tensor-parallel degree."""
+    pp: int | None = None
+    """Pipeline-parallel degree."""
+    zero: int | None = None
+    """ZeRO stage 0-3."""
+    mbs: int | None = None
+    """Micro-batch size per data-parallel replica."""
+    gas: int | None = None
+    """Micro-batches per optimizer step."""
+    recompute: Recompute | None = None
+    """Activation recomputation."""
+    sp: bool | None = None
+    """Sequence parallelism."""
+    vpp: int | None = None
+    """Virtual pipeline stages per device."""
+    offload: Offload | None = None
+    """Host offload."""
+    order: tuple[Axis, ...] | None = None
+    """Placement of the axes on ranks, innermost first."""
+
+    def __post_init__(self) -> None:
+        for name in _INT_KEYS:
+            if getattr(self, name) is not None:
+                _check_positive(name, getattr(self, name))
+        if self.zero is not None:
+            _check_zero(self.zero)
+        if self.recompute is not None:
+            object.__setattr__(self, "recompute", _enum(Recompute, self.recompute, "recompute"))
+        if self.offload is not None:
+            object.__setattr__(self, "offload", _enum(Offload, self.offload, "offload"))
+        if self.sp is not None and not isinstance(self.sp, bool):
+            raise PlanError(f"plan: sp must be true or false, got {self.sp!r}")
+        if self.order is not None:
+            object.__setattr__(self, "order", _check_order(self.order))
+        _check_pairs(tp=self.tp, pp=self.pp, zero=self.zero, sp=self.sp, vpp=self.vpp, offload=self.offload)
+
+    @property
+    def fixed(self) -> dict[str, object]:
+        """The fixed fields by name, in the order of the plan string."""
+        return {name: getattr(self, name) for name in _KEYS if getattr(self, name) is not None}
+
+    @property
+    def missing(self) -> tuple[str, ...]:
+        """The axes still to choose before this is a whole plan (gas follows from the global batch, order defaults to
+        tp-dp-pp)."""
+        return tuple(name for name in _KEYS if name not in ("gas", "order") and getattr(self, name) is None)
+
+    @property
+    def complete(self) -> bool:
+        """Every axis is fixed: :meth:`to_plan` gives the plan without a search."""
+        return not self.missing
+
+    def __str__(self) -> str:
+        return ",".join(f"{name}={field_text(value)}" for name, value in self.fixed.items())
+
+    def to_plan(self, global_batch_size: int | None = None) -> Plan:
+        """The whole plan (PlanError naming the keys still free unless :attr:`complete`); gas, when not fixed, is
+        global_batch_size / (dp * mbs), and a fixed gas must agree with global_batch_size when that is given."""
+        if self.missing:
+            raise PlanError(
+                f"plan {str(self)!r} leaves {', '.join(self.missing)} to the planner; fix them all to use it without a search"
+            )
+        fields = {name: value for name, value in self.fixed.items()}
+        per_step = fields["dp"] * fields["mbs"]  # type: ignore[operator]
+        if global_batch_size is not None and global_batch_size % per_step:
+            raise PlanError(
+                f"plan {str(self)!r}: global batch size {global_batch_size} is not divisible by "
+                f"dp({self.dp}) * mbs({self.mbs}) = {per_step}"
+            )
+        if self.gas is None:
+            if global_batch_size is None:
+                raise PlanError(f"plan {str(self)!r} has no gas= and no global batch size to derive it from")
+            fields["gas"] = global_batch_size // per_step
+        elif global_batch_size is not None and per_step * self.gas != global_batch_size:
+            raise PlanError(
+                f"plan {str(self)!r}: dp({self.dp}) * mbs({self.mbs}) * gas({self.gas}) = {per_step * self.gas} "
+                f"!= global batch size {global_batch_size}"
+            )
+        return Plan(**fields)  # type: ignore[arg-type]
+
+    def fix(self, **fields: object) -> "PartialPlan":
+        """A copy with more fields fixed; PlanError when one of them is already fixed to another value."""
+        for name, value in fields.items():
+            if name not in _KEYS:
+                raise PlanError(f"plan: unknown key {name!r} (known: {', '.join(_KEYS)})")
+            current = getattr(self, name)
+            if current is not None and current != value:
+                raise PlanError(
+                    f"plan {str(self)!r} already fixes {name}={field_text(current)}; it cannot also be {field_text(value)}"
+                )
+        return dataclasses.replace(self, **fields)  # type: ignore[arg-type]
+
+    def constraints(self, base: "Constraints") -> "Constraints":
+        """``base`` (what a runtime executes) narrowed to the fixed axes; PlanError naming the key, the value and what
+        ``base`` allows when a fixed value is outside it. See :func:`~lightning_fleet.planning.search.narrow`."""
+        from lightning_fleet.planning.search import narrow
+
+        return narrow(base, self)
+
+
+def field_text(value: object) -> str:
+    """A plan field's value as the plan string writes it (true, tp-dp-pp, optimizer+params, 4)."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, tuple):
+        return "-".join(value)
+    return str(value)
+
+
+def parse_partial_plan(text: str) -> PartialPlan:
+    """Parse ``key=value,...`` as fixed axes (the planner chooses the rest); the same keys, values and errors as
+    :func:`parse_plan`, and no key is required. An empty string fixes nothing."""
+    return PartialPlan(**_split_plan(text))  # type: ignore[arg-type]

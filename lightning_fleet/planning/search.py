@@ -32,6 +32,7 @@ rooms, and is kept per ranking. Step times come from memoised pieces
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import heapq
 import itertools
 import struct
@@ -50,13 +51,14 @@ from lightning_fleet.planning.estimate import (
 )
 from lightning_fleet.planning.memory import MemoryEstimate
 from lightning_fleet.planning.model import ModelSpec
-from lightning_fleet.planning.plan import DEFAULT_ORDER, Axis, Offload, Plan, Recompute
+from lightning_fleet.planning.plan import DEFAULT_ORDER, Axis, Offload, PartialPlan, Plan, Recompute, field_text
 from lightning_fleet.planning.stages import StageLoad
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Constraints:
-    """What the search may choose. Runtimes narrow it to what they really execute."""
+    """What the search may choose. Runtimes narrow it to what they really execute; a :class:`PartialPlan` fixes axes
+    (:func:`narrow`). Only plans that satisfy every field are candidates."""
 
     zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     """ZeRO stages to consider."""
@@ -84,6 +86,22 @@ class Constraints:
     """Allow tp > 1 and pp > 1 together."""
     offload_with_pp: bool = True
     """Allow offload when pp > 1."""
+    dp: int | None = None
+    """Exact data-parallel degree (None: any)."""
+    tp: int | None = None
+    """Exact tensor-parallel degree (None: any within max_tp)."""
+    pp: int | None = None
+    """Exact pipeline degree (None: any within max_pp)."""
+    gas: int | None = None
+    """Exact micro-batches per optimizer step (None: any)."""
+    offloads: tuple[Offload, ...] | None = None
+    """Offload modes to consider (None: those allow_offload and require_offload give)."""
+    sp: bool | None = None
+    """Sequence parallelism on (True) or off (False) in every plan (None: either, as allow_sp says)."""
+    vpp: int | None = None
+    """Exact number of virtual pipeline stages (None: any within max_vpp)."""
+    order: tuple[Axis, ...] | None = None
+    """Exact placement of every plan (None: tp-dp-pp, and others when search_placement)."""
 
     def __post_init__(self) -> None:
         order = list(Recompute)  # none < selective < full: the search relies on this order
@@ -91,12 +109,119 @@ class Constraints:
         for stage in self.zero_stages:
             if stage not in (0, 1, 2, 3):
                 raise PlanError(f"constraint zero_stages: {stage!r} is not a ZeRO stage (0-3)")
-        for name in ("max_tp", "max_pp", "max_vpp"):
+        for name in ("max_tp", "max_pp", "max_vpp", "dp", "tp", "pp", "gas", "vpp"):
             value = getattr(self, name)
-            if value is not None and value < 1:
-                raise PlanError(f"constraint {name} must be >= 1, got {value}")
-        if not self.zero_stages or not self.recompute:
-            raise PlanError("constraints leave no ZeRO stage or no recompute mode to choose from")
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise PlanError(f"constraint {name} must be an integer >= 1, got {value!r}")
+        if self.mbs is not None:
+            if not self.mbs or any(isinstance(m, bool) or not isinstance(m, int) or m < 1 for m in self.mbs):
+                raise PlanError(f"constraint mbs must be positive integers, got {self.mbs!r}")
+            object.__setattr__(self, "mbs", tuple(sorted(set(self.mbs))))
+        if self.offloads is not None:
+            modes = list(Offload)  # none < optimizer < optimizer+params: the search relies on this order
+            object.__setattr__(self, "offloads", tuple(sorted({_offload(o) for o in self.offloads}, key=modes.index)))
+        if self.order is not None:
+            object.__setattr__(self, "order", _placement(self.order))
+        if self.sp is not None and not isinstance(self.sp, bool):
+            raise PlanError(f"constraint sp must be True, False or None, got {self.sp!r}")
+        if not self.zero_stages or not self.recompute or not _allowed_offloads(self):
+            raise PlanError("constraints leave no ZeRO stage, recompute mode or offload mode to choose from")
+
+
+def _offload(value: object) -> Offload:
+    try:
+        return Offload(value)
+    except ValueError:
+        raise PlanError(f"constraint offloads: {value!r} is not one of {', '.join(Offload)}") from None
+
+
+def _placement(order: object) -> tuple[Axis, ...]:
+    """A placement as the tuple Plan keeps (DEFAULT_ORDER itself for the default)."""
+    axes = Plan(dp=1, order=tuple(order.split("-")) if isinstance(order, str) else order).order  # type: ignore[arg-type]
+    return DEFAULT_ORDER if axes == DEFAULT_ORDER else axes
+
+
+def _allowed_offloads(cons: Constraints) -> tuple[Offload, ...]:
+    """Offload modes the constraints allow (whatever the cluster has)."""
+    modes = cons.offloads if cons.offloads is not None else tuple(Offload)
+    if cons.require_offload:
+        return tuple(m for m in modes if m is not Offload.NONE)
+    return modes if cons.allow_offload else tuple(m for m in modes if m is Offload.NONE)
+
+
+def _names(values: tuple[object, ...]) -> str:
+    return ", ".join(str(v) for v in values)
+
+
+def narrow(base: Constraints, partial: PartialPlan) -> Constraints:
+    """``base`` narrowed to the axes ``partial`` fixes; PlanError (one line: the key, the value, what ``base`` allows)
+    when a fixed value is outside ``base``. The search then honours every fixed axis exactly."""
+    text = str(partial)
+
+    def refuse(key: str, value: object, allowed: str) -> PlanError:
+        shown = field_text(value)
+        return PlanError(
+            f"plan {text!r}: {key}={shown} is not allowed here (allowed: {allowed}); change {key} or leave it to the planner"
+        )
+
+    changes: dict[str, object] = {}
+    for name, limit in (("tp", base.max_tp), ("pp", base.max_pp), ("vpp", base.max_vpp)):
+        value = getattr(partial, name)
+        if value is None:
+            continue
+        if limit is not None and value > limit:
+            raise refuse(name, value, f"{name} <= {limit}")
+        if getattr(base, name) not in (None, value):
+            raise refuse(name, value, f"{name}={getattr(base, name)}")
+        changes[name] = value
+    for name in ("dp", "gas", "sp", "order"):
+        value = getattr(partial, name)
+        if value is not None and getattr(base, name) not in (None, value):
+            raise refuse(name, value, f"{name}={field_text(getattr(base, name))}")
+    if partial.dp is not None:
+        changes["dp"] = partial.dp
+    if partial.gas is not None:
+        changes["gas"] = partial.gas
+    if partial.sp is not None:
+        if partial.sp and not base.allow_sp:
+            raise refuse("sp", True, "sp=false")
+        if partial.sp and base.max_tp == 1:
+            raise refuse("sp", True, "sp=false, as tp <= 1 here and sequence parallelism needs tp > 1")
+        changes["sp"] = partial.sp
+    if partial.vpp is not None and partial.vpp > 1 and base.max_pp == 1:
+        raise refuse("vpp", partial.vpp, "vpp=1, as pp <= 1 here and virtual stages need pp > 1")
+    if partial.order is not None:
+        if partial.order != DEFAULT_ORDER and not base.search_placement:
+            raise refuse("order", partial.order, "the default placement tp-dp-pp only")
+        changes["order"] = partial.order
+    if partial.tp is not None and partial.pp is not None and partial.tp > 1 and partial.pp > 1 and not base.tp_with_pp:
+        raise refuse("tp", partial.tp, "tp=1 when pp > 1")
+    if partial.zero is not None:
+        pipelined = (partial.pp or 1) > 1
+        stages = tuple(z for z in base.zero_stages if not pipelined or z <= base.max_zero_with_pp)
+        if partial.zero not in stages:
+            raise refuse("zero", partial.zero, f"zero {_names(stages)}" + (" with pp > 1" if pipelined else ""))
+        changes["zero_stages"] = (partial.zero,)
+    if partial.mbs is not None:
+        if base.mbs is not None and partial.mbs not in base.mbs:
+            raise refuse("mbs", partial.mbs, f"mbs {_names(base.mbs)}")
+        changes["mbs"] = (partial.mbs,)
+    if partial.recompute is not None:
+        if partial.recompute not in base.recompute:
+            raise refuse("recompute", partial.recompute, f"recompute {_names(base.recompute)}")
+        changes["recompute"] = (partial.recompute,)
+    if partial.offload is not None:
+        allowed = _allowed_offloads(base)
+        if (partial.pp or 1) > 1 and not base.offload_with_pp:
+            allowed = tuple(m for m in allowed if m is Offload.NONE)
+        if partial.offload not in allowed:
+            raise refuse("offload", partial.offload, f"offload {_names(allowed)}" if allowed else "no offload mode")
+        stages = changes.get("zero_stages", base.zero_stages)
+        lowest = 3 if partial.offload is Offload.OPTIMIZER_PARAMS else 1
+        if partial.offload is not Offload.NONE and not any(z >= lowest for z in stages):
+            raise refuse("offload", partial.offload, f"offload none, as zero is {_names(stages)} here")
+        changes["offloads"] = (partial.offload,)
+    return dataclasses.replace(base, **changes)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -131,7 +256,7 @@ class PlanResult:
     """Every estimate priced, fastest first: every undominated feasible plan when searched exhaustively,
     otherwise the top plans and the runners-up among those the bounds did not skip."""
     misfit_plans: tuple[Plan, ...] = field(default=(), repr=False)
-    """The lightest variant of every family that did not fit (for plots)."""
+    """The variant closest to fitting of every family that did not fit (for plots)."""
 
     @property
     def best(self) -> Estimate:
@@ -154,11 +279,12 @@ def divisors(n: int) -> list[int]:
 
 
 def _offloads(zero: int, cons: Constraints, has_host: bool) -> list[Offload]:
-    """Offload modes to try for a ZeRO stage, lightest first (empty when offload is required but impossible)."""
-    if not ((cons.allow_offload or cons.require_offload) and has_host) or zero == 0:
-        return [] if cons.require_offload else [Offload.NONE]
-    modes = [Offload.NONE, Offload.OPTIMIZER] + ([Offload.OPTIMIZER_PARAMS] if zero == 3 else [])
-    return modes[1:] if cons.require_offload else modes
+    """Offload modes to try for a ZeRO stage, lightest first: those the constraints allow that the stage and the cluster
+    can run (offload needs zero >= 1 and a host section; parameters, zero = 3). Empty when there is none."""
+    allowed = _allowed_offloads(cons)
+    possible = [Offload.NONE] + ([Offload.OPTIMIZER] if has_host and zero else [])
+    possible += [Offload.OPTIMIZER_PARAMS] if has_host and zero == 3 else []
+    return [mode for mode in possible if mode in allowed]
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,13 +299,13 @@ def _layouts(
 ) -> list[_Layout]:
     out = []
     for tp in divisors(world):
-        if model.num_heads % tp or (cons.max_tp and tp > cons.max_tp):
+        if model.num_heads % tp or (cons.max_tp and tp > cons.max_tp) or cons.tp not in (None, tp):
             continue
         for pp in divisors(world // tp):
-            if model.num_layers % pp or (cons.max_pp and pp > cons.max_pp):
+            if model.num_layers % pp or (cons.max_pp and pp > cons.max_pp) or cons.pp not in (None, pp):
                 continue
             dp = world // (tp * pp)
-            if tp > 1 and pp > 1 and not cons.tp_with_pp:
+            if tp > 1 and pp > 1 and not cons.tp_with_pp or cons.dp not in (None, dp):
                 continue
             if model.global_batch_size % dp:
                 reason = f"dp({dp}) does not divide the global batch size {model.global_batch_size}"
@@ -194,10 +320,17 @@ def _variants(layout: _Layout, model: ModelSpec, cons: Constraints) -> list[tupl
     vpps = [1]
     if layout.pp > 1:
         vpps = [v for v in divisors(model.num_layers // layout.pp) if cons.max_vpp is None or v <= cons.max_vpp]
+    vpps = [v for v in vpps if cons.vpp in (None, v)]
     sps = [False, True] if layout.tp > 1 and cons.allow_sp else [False]
+    sps = [sp for sp in sps if cons.sp in (None, sp)]
     top_zero = cons.max_zero_with_pp if layout.pp > 1 else 3
     zeros = [z for z in cons.zero_stages if z <= top_zero]
     return list(itertools.product(vpps, sps, zeros))
+
+
+def _micro_batch_sizes(batch: int, cons: Constraints) -> list[int]:
+    """Micro-batch sizes of a replica's ``batch`` samples that the constraints allow (mbs, and gas = batch / mbs), ascending."""
+    return [m for m in divisors(batch) if (cons.mbs is None or m in cons.mbs) and cons.gas in (None, batch // m)]
 
 
 def _alternative_orders(plan: Plan, hw: Hardware) -> list[tuple[Axis, ...]]:
@@ -229,21 +362,23 @@ def _gib(nbytes: float) -> str:
 
 
 def explain_misfit(memory: MemoryEstimate) -> str:
-    """One line: what the plan needs, what there is, and the largest term."""
-    if memory.host_bytes > memory.host_limit_bytes and memory.total_bytes <= memory.limit_bytes:
-        return (
-            f"host memory: needs {_gib(memory.host_bytes)} per device > {_gib(memory.host_limit_bytes)} "
-            f"(short {_gib(memory.host_bytes - memory.host_limit_bytes)})"
-        )
+    """One line: what the plan needs, what there is, and the largest term; the device, the host, or both."""
+    host = (
+        f"host memory: needs {_gib(memory.host_bytes)} per device > {_gib(memory.host_limit_bytes)} "
+        f"(short {_gib(memory.host_bytes - memory.host_limit_bytes)})"
+    )
+    if memory.total_bytes <= memory.limit_bytes:
+        return host
     term, nbytes = memory.largest_term()
-    return (
+    device = (
         f"needs {_gib(memory.total_bytes)} > {_gib(memory.limit_bytes)} on stage {memory.stage} "
         f"(short {_gib(memory.total_bytes - memory.limit_bytes)}; largest term {term} {_gib(nbytes)})"
     )
+    return device + ("; " + host if memory.host_bytes > memory.host_limit_bytes else "")
 
 
 def _misfit_rejection(misfit: Rejection | tuple[Plan, MemoryEstimate]) -> Rejection:
-    """A rejected layout as it is, or a family that did not fit (its lightest variant and memory), explained."""
+    """A rejected layout as it is, or a family that did not fit (its variant closest to fitting and memory), explained."""
     if isinstance(misfit, Rejection):
         return misfit
     plan, memory = misfit
@@ -430,6 +565,8 @@ class _Search:
         self._fastest_s: dict[int, float] = {}  # id(estimate) -> its step time with every collective on the fastest link
         self.activations = ActivationModel()
         self.has_host = cluster.host is not None
+        self.order = DEFAULT_ORDER if cons.order is None else cons.order
+        """The placement plans are built with (a fixed one, or the default that refine_placements may change)."""
         self.candidates = 0
         self.feasible_count = 0
         self.feasible: list[Estimate] = []
@@ -458,6 +595,11 @@ class _Search:
             for a, (params, grads, optimizer, other, host), load in zip(acts, state.terms, loads)
         ]
         return max(stages, key=MemoryEstimate.shortfall_bytes)
+
+    def _shortfall(self, acts: tuple[float, ...], state: _State) -> float:
+        """:meth:`MemoryEstimate.shortfall_bytes` of the worst stage (what :meth:`_worst` would build), summed as it sums."""
+        limit, host_limit = self.hw.memory_bytes, self.hw.host_bytes_per_device
+        return max(max(p + g + o + a + other - limit, host - host_limit) for a, (p, g, o, other, host) in zip(acts, state.terms))
 
     def _bound(self, tp: int, pp: int, vpp: int, mbs: int, gas: int) -> float:
         """:func:`compute_bound_s`, kept: it depends on neither ZeRO, sp, recomputation, offload nor placement."""
@@ -505,7 +647,7 @@ class _Search:
         """Walk every layout, variant and micro-batch size; price what fits and can still enter the top."""
         for layout in _layouts(self.model, self.hw.world_size, self.cons, self.misfits):
             batch = self.model.global_batch_size // layout.dp
-            mbs_values = [m for m in divisors(batch) if self.cons.mbs is None or m in self.cons.mbs]
+            mbs_values = _micro_batch_sizes(batch, self.cons)
             variants = _variants(layout, self.model, self.cons)
             modes: dict[int, tuple[list[Offload], list[_State]]] = {}  # zero -> its offload modes and their states
             for zero in dict.fromkeys(zero for _, _, zero in variants):
@@ -537,7 +679,7 @@ class _Search:
         ``sweep`` holds the activations of this (vpp, sp) by micro-batch size, as far as some ZeRO stage went.
         """
         top_times, top, bounded = self._top_times, self.top, not self.exhaustive
-        tp, pp, zero = layout.tp, layout.pp, states.zero
+        tp, pp, zero, order = layout.tp, layout.pp, states.zero, self.order
         family = len(self.cons.recompute) * len(states.offloads)
         candidates = feasible = 0
         for i, mbs in enumerate(mbs_values):
@@ -549,7 +691,8 @@ class _Search:
             fitting = acts.fits.get(zero)
             if fitting is None:
                 fitting = acts.fits[zero] = table.fitting(states, acts.signature)
-            fields = {"dp": layout.dp, "tp": tp, "pp": pp, "zero": zero, "mbs": mbs, "gas": acts.gas, "sp": sp, "vpp": vpp}
+            fields = {"dp": layout.dp, "tp": tp, "pp": pp, "zero": zero, "mbs": mbs, "gas": acts.gas, "sp": sp, "vpp": vpp,
+                      "order": order}
             if not fitting:
                 self._misfit(fields, acts, states)
                 candidates += family * (len(mbs_values) - i)
@@ -572,7 +715,9 @@ class _Search:
         by_mode = self.activations.stage_bytes(loads, self.cons.recompute, tp=layout.tp, sp=sp, pp=layout.pp, vpp=vpp, mbs=mbs, gas=gas)
         return _Activations(gas, by_mode, table.signature(by_mode))
 
-    def _price(self, fields: dict[str, int | bool], fitting: list[tuple[Recompute, Offload]], acts: _Activations, states: _States) -> None:
+    def _price(
+        self, fields: dict[str, object], fitting: list[tuple[Recompute, Offload]], acts: _Activations, states: _States
+    ) -> None:
         """Estimate the fitting variants (of the plan with these fields) that no lighter fitting variant dominates, and keep the top times."""
         loads = self.times.loads(int(fields["pp"]))
         key = tuple(fitting)
@@ -599,10 +744,21 @@ class _Search:
                 if len(heap) > size:
                     heapq.heappop(heap)
 
-    def _misfit(self, fields: dict[str, int | bool], acts: _Activations, states: _States) -> None:
-        """Record the lightest variant of a family (the plan with these fields) that does not fit: its shortfall and largest term."""
-        plan = Plan(**fields, recompute=self.cons.recompute[-1], offload=states.offloads[-1])  # type: ignore[arg-type]
-        memory = self._worst(acts.by_mode[plan.recompute], states.states[-1], self.times.loads(plan.pp))  # == memory_estimate(model, hw, plan)
+    def _misfit(self, fields: dict[str, object], acts: _Activations, states: _States) -> None:
+        """Record the variant of a family (the plan with these fields) closest to fitting: its shortfall and largest term.
+
+        Every variant misses. The last recompute mode needs the least device memory for every offload mode and host
+        memory does not depend on recomputation, so the closest is that mode with the offload mode that misses by the
+        least (device or host bytes, whichever is worse: :meth:`MemoryEstimate.shortfall_bytes`, summed as it sums).
+        When every offload mode fits the host, that is the heaviest one (offload only removes device bytes).
+        """
+        recompute = self.cons.recompute[-1]
+        acts_by_stage = acts.by_mode[recompute]
+        k = len(states.states) - 1  # where every mode fits the host, the heaviest offload leaves the least on the device
+        if not all(state.host_fits for state in states.states):
+            _, k = min((self._shortfall(acts_by_stage, state), k) for k, state in enumerate(states.states))
+        plan = Plan(**fields, recompute=recompute, offload=states.offloads[k])  # type: ignore[arg-type]
+        memory = self._worst(acts_by_stage, states.states[k], self.times.loads(plan.pp))  # == memory_estimate(model, hw, plan)
         short = memory.shortfall_bytes()
         if self.closest is None or short < self.closest[0]:
             self.closest = (short, memory, plan)
@@ -671,7 +827,7 @@ def plan(
     if not search.feasible:
         raise _nothing_fits(model, cluster, search)
     ranked = sorted(search.feasible, key=_rank_key)
-    if cons.search_placement:
+    if cons.search_placement and cons.order is None:
         ranked = search.refine_placements(ranked)
     best = ranked[0]
     slower = [Rejection(plan=str(e.plan), reason=_explain_slower(e, best)) for e in ranked[top : top + max_rejected]]
@@ -688,27 +844,162 @@ def plan(
 
 
 def _nothing_fits(model: ModelSpec, cluster: ClusterSpec, search: _Search) -> NoFeasiblePlanError:
+    """No candidate fits: name the plan closest to fitting (the least bytes missing, on the device or the host), what it
+    needs against what there is, and what would help; or, without any candidate, what excluded them all."""
     if search.closest is None:
-        return NoFeasiblePlanError(
-            f"no plan for {model.name!r} on {cluster.world_size} devices: no layout divides the heads "
-            f"({model.num_heads}), layers ({model.num_layers}) and global batch ({model.global_batch_size}) "
-            f"within the constraints; change the device count or the global batch size"
-        )
+        return NoFeasiblePlanError(_no_candidates(model, cluster, search.cons))
     _, memory, closest = search.closest
-    cons = search.cons
-    helps = ["add devices or use devices with more memory"]
-    if not cons.allow_offload or cluster.host is None:
-        helps.append("allow offload" + ("" if cluster.host is not None else " (give the cluster a host section)"))
-    if Recompute.FULL not in cons.recompute:
-        helps.append("allow recompute=full")
-    if cons.max_tp is not None or cons.max_pp is not None:
-        helps.append("raise max_tp / max_pp")
-    if memory.host_bytes > memory.host_limit_bytes and memory.total_bytes <= memory.limit_bytes:
-        needed, limit, what = memory.host_bytes, memory.host_limit_bytes, "host memory per device"
-    else:
-        needed, limit, what = memory.total_bytes, memory.limit_bytes, "memory per device"
+    device_short = memory.total_bytes > memory.limit_bytes
+    host_short = memory.host_bytes > memory.host_limit_bytes
     term, nbytes = memory.largest_term()
+    needs, have = [], []
+    if device_short:
+        needs.append(f"{_gib(memory.total_bytes)} memory per device")
+        have.append(f"devices have {_gib(memory.limit_bytes)} (largest term: {term} {_gib(nbytes)})")
+    if host_short:
+        needs.append(f"{_gib(memory.host_bytes)} host memory per device")
+        have.append(f"hosts have {_gib(memory.host_limit_bytes)} per device")
     return NoFeasiblePlanError(
-        f"model {model.name!r} needs {_gib(needed)} {what} with the best plan ({closest}); "
-        f"devices have {_gib(limit)} (largest term: {term} {_gib(nbytes)}): {', '.join(helps)}"
+        f"model {model.name!r} needs {' and '.join(needs)} with the closest plan ({closest}); {', '.join(have)}: "
+        + ", ".join(_remedies(cluster, search.cons, device_short=device_short, host_short=host_short))
     )
+
+
+def _remedies(cluster: ClusterSpec, cons: Constraints, *, device_short: bool, host_short: bool) -> list[str]:
+    """What would let a plan fit, most general first; only what applies to this cluster and these constraints."""
+    helps = []
+    if device_short:
+        helps.append("add devices or use devices with more memory")
+    if host_short:
+        helps.append("add nodes or host memory")
+    if device_short:
+        offloads = _allowed_offloads(cons)
+        if cluster.host is None:
+            helps.append("give the cluster a host: section (memory_gib, pcie_GBps) to allow offload")
+        elif cons.offloads is not None and Offload.OPTIMIZER_PARAMS not in cons.offloads:
+            helps.append(f"leave offload to the planner (fixed: {_names(cons.offloads)})")
+        elif Offload.OPTIMIZER_PARAMS not in offloads:
+            helps.append("allow offload")
+        if 3 not in cons.zero_stages:
+            helps.append("allow zero=3")
+        if Recompute.FULL not in cons.recompute:
+            helps.append("allow recompute=full")
+        if cons.mbs is not None and 1 not in cons.mbs:
+            helps.append(f"allow a smaller micro-batch size (mbs {_names(cons.mbs)})")
+        limits = [f"{name}={getattr(cons, name)}" for name in ("max_tp", "max_pp") if getattr(cons, name) is not None]
+        if limits:
+            helps.append(f"allow larger tp / pp ({', '.join(limits)})")
+        fixed = [f"{name}={field_text(getattr(cons, name))}" for name in ("dp", "tp", "pp", "gas", "sp", "vpp")
+                 if getattr(cons, name) is not None]
+        if fixed:
+            helps.append(f"leave {', '.join(fixed)} to the planner")
+    return helps
+
+
+def _no_candidates(model: ModelSpec, cluster: ClusterSpec, cons: Constraints) -> str:
+    """Why no plan is a candidate at all: offload without a host, fixed axes the world cannot hold, or every layout
+    or every variant excluded (each reason once, as the search applies them)."""
+    world = cluster.world_size
+    head = f"no plan for {model.name!r} on {world} devices"
+    allowed = _allowed_offloads(cons)
+    if Offload.NONE not in allowed:
+        what = "require_offload" if cons.require_offload else f"offload={_names(allowed)}"
+        undo = "drop require_offload" if cons.require_offload else "leave offload to the planner"
+        if cluster.host is None:
+            return (
+                f"{head}: {what} needs host memory, but cluster {cluster.name!r} has no host: section: add one "
+                f"(memory_gib, pcie_GBps) to the cluster spec or {undo}"
+            )
+        if max(cons.zero_stages) == 0:
+            return (
+                f"{head}: {what} needs ZeRO stage 1, 2 or 3 (DeepSpeed offloads ZeRO partitions), but zero_stages is 0: "
+                f"allow one or {undo}"
+            )
+    fixed = {name: getattr(cons, name) for name in ("dp", "tp", "pp") if getattr(cons, name) is not None}
+    product = 1
+    for value in fixed.values():
+        product *= value
+    if world % product or (len(fixed) == 3 and product != world):
+        relation = "!=" if len(fixed) == 3 else "does not divide"
+        factors = " * ".join(f"{name}({value})" for name, value in fixed.items()) + (f" = {product}" if len(fixed) > 1 else "")
+        return f"{head}: {factors} {relation} world size {world}: change the fixed values or the device count"
+    reasons: dict[str, tuple[bool, bool]] = {}  # reason -> (a constraint, the device count or global batch) could lift it
+    layouts = []
+    for tp in divisors(world):
+        for pp in divisors(world // tp):
+            dp = world // (tp * pp)
+            reason = _layout_exclusion(model, cons, dp, tp, pp)
+            if reason is None:
+                layouts.append(_Layout(dp, tp, pp))
+            else:
+                reasons.setdefault(*reason)
+    if not layouts:
+        return f"{head}: no layout dp x tp x pp = {world} is left: {'; '.join(reasons)}: {_lift(reasons)}"
+    reasons = {}
+    for layout in layouts:
+        for reason in _variant_exclusions(model, cons, layout, cluster.host is not None):
+            reasons.setdefault(*reason)
+    return f"{head}: every layout is excluded: {'; '.join(reasons)}: {_lift(reasons)}"
+
+
+def _lift(reasons: dict[str, tuple[bool, bool]]) -> str:
+    """What lifts these reasons: the constraints they name, the device count or global batch size, or both."""
+    constraint, size = any(c for c, _ in reasons.values()), any(z for _, z in reasons.values())
+    if not constraint:
+        return "change the device count or the global batch size"
+    return "change those fixed values or limits" + (", the device count or the global batch size" if size else "")
+
+
+_BY_CONSTRAINT, _BY_SIZE = (True, False), (False, True)
+"""What can lift a reason for exclusion: (the constraint it names, the device count or the global batch size)."""
+
+
+def _layout_exclusion(model: ModelSpec, cons: Constraints, dp: int, tp: int, pp: int) -> tuple[str, tuple[bool, bool]] | None:
+    """Why the search skips a layout (the first rule it breaks, as :func:`_layouts` tests them), or None."""
+    rules = (
+        (model.num_heads % tp, f"tp must divide num_heads ({model.num_heads})", _BY_SIZE),
+        (cons.max_tp and tp > cons.max_tp, f"tp is limited to max_tp={cons.max_tp}", _BY_CONSTRAINT),
+        (cons.tp not in (None, tp), f"tp is fixed to {cons.tp}", _BY_CONSTRAINT),
+        (model.num_layers % pp, f"pp must divide num_layers ({model.num_layers})", _BY_SIZE),
+        (cons.max_pp and pp > cons.max_pp, f"pp is limited to max_pp={cons.max_pp}", _BY_CONSTRAINT),
+        (cons.pp not in (None, pp), f"pp is fixed to {cons.pp}", _BY_CONSTRAINT),
+        (tp > 1 and pp > 1 and not cons.tp_with_pp, "tp > 1 and pp > 1 cannot be combined here", _BY_CONSTRAINT),
+        (cons.dp not in (None, dp), f"dp is fixed to {cons.dp}", _BY_CONSTRAINT),
+        (model.global_batch_size % dp, f"dp must divide the global batch size ({model.global_batch_size})", _BY_SIZE),
+    )
+    return next(((text, lifted_by) for broken, text, lifted_by in rules if broken), None)
+
+
+def _variant_exclusions(
+    model: ModelSpec, cons: Constraints, layout: _Layout, has_host: bool
+) -> list[tuple[str, tuple[bool, bool]]]:
+    """Why a layout that passes :func:`_layouts` still has no candidate, as :func:`_variants`, :func:`_offloads` and
+    :func:`_micro_batch_sizes` decide (each reason with what could lift it)."""
+    out: list[tuple[str, tuple[bool, bool]]] = []
+    vpps = [1]
+    if layout.pp > 1:
+        vpps = [v for v in divisors(model.num_layers // layout.pp) if cons.max_vpp is None or v <= cons.max_vpp]
+    if cons.vpp not in (None, *vpps):
+        out.append((f"vpp={cons.vpp} needs pp > 1 with pp * vpp dividing num_layers ({model.num_layers})" + (
+            f" and vpp <= max_vpp={cons.max_vpp}" if cons.max_vpp is not None else ""), _BY_CONSTRAINT))
+    if cons.sp and not (layout.tp > 1 and cons.allow_sp):
+        out.append(("sp=true needs tp > 1" + ("" if cons.allow_sp else " and allow_sp"), _BY_CONSTRAINT))
+    zeros = [z for z in cons.zero_stages if layout.pp == 1 or z <= cons.max_zero_with_pp]
+    if not zeros:
+        reason = f"zero {_names(cons.zero_stages)} cannot run with pp > 1 here (at most zero={cons.max_zero_with_pp})"
+        out.append((reason, _BY_CONSTRAINT))
+    else:
+        allowed = _allowed_offloads(cons)
+        runs = [o for z in zeros for o in _offloads(z, cons, has_host)
+                if layout.pp == 1 or cons.offload_with_pp or o is Offload.NONE]
+        if not runs and layout.pp > 1 and not cons.offload_with_pp:
+            out.append((f"offload {_names(allowed)} cannot run with pp > 1 here", _BY_CONSTRAINT))
+        elif not runs:
+            needed = "3" if allowed == (Offload.OPTIMIZER_PARAMS,) else "1, 2 or 3"
+            out.append((f"offload {_names(allowed)} needs zero {needed}, but zero is {_names(zeros)} here", _BY_CONSTRAINT))
+    if not _micro_batch_sizes(model.global_batch_size // layout.dp, cons):
+        fixed = "; ".join(f"{name} {_names(v) if isinstance(v, tuple) else v}"
+                          for name, v in (("mbs", cons.mbs), ("gas", cons.gas)) if v is not None)
+        reason = f"{fixed} does not split the global batch size ({model.global_batch_size}) / dp into mbs * gas"
+        out.append((reason, (True, True)))
+    return out

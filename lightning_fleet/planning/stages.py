@@ -19,6 +19,8 @@ class StageLoad:
     """Layer blocks on the stage."""
     params: int = 0
     """Parameters stored on the stage (tied parameters once when both ends sit here)."""
+    trainable_params: int = 0
+    """The part of ``params`` that trains: gradients, optimizer states and their communication."""
     largest_block_params: int = 0
     """Parameters of the largest single block (ZeRO-3 gathers one block at a time)."""
     flops: float = 0.0
@@ -91,6 +93,7 @@ def _stage(model: ModelSpec, pp: int, index: int) -> StageLoad:
         index=index,
         layers=sum(n for b, n in pairs if b.role is Role.LAYER),
         params=int(_sum(pairs, "params")) - tied,
+        trainable_params=int(_sum(pairs, "trainable")) - (model.tied_trainable if pp == 1 else 0),
         largest_block_params=max(b.params for b, _ in pairs),
         flops=_sum(pairs, "flops"),
         layer_flops=_sum(pairs, "flops", Role.LAYER),

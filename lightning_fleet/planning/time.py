@@ -120,17 +120,21 @@ def dp_comm_s(
     forward_time_s: float,
     backward_time_s: float,
     overlap: float,
+    trainable: float | None = None,
 ) -> float:
-    """Exposed data-parallel communication per step of a stage holding ``n`` parameters (ZeRO paper Sec. 7; DeepSpeed's overlap_comm).
+    """Exposed data-parallel communication per step of a stage holding ``n`` parameters, ``trainable`` of them with
+    gradients (default all) (ZeRO paper Sec. 7; DeepSpeed's overlap_comm).
 
     zero 0: one gradient all-reduce at the accumulation boundary, hidden behind the last backward.
     zero 1: reduce-scatter there, all-gather of the updated weights after the step (not hidden).
     zero 2: a reduce-scatter every micro-batch (each behind its backward) and the weight all-gather.
     zero 3: every micro-batch gathers the weights for forward and again for backward, and reduce-scatters gradients.
+    Gradients and updated weights are the trainable parameters' (DeepSpeed 0.19's ZeRO-1/2 optimizer flattens only the
+    parameters that require grad, ``is_optimized_parameter`` in stage_1_and_2.py); ZeRO-3 gathers every parameter.
     """
     if dp == 1:
         return 0.0
-    nbytes = precision.element_bytes * n / tp
+    nbytes = precision.element_bytes * (n if trainable is None else trainable) / tp
     if zero == 0:
         return exposed_s(allreduce_s(nbytes, dp, link), backward_time_s, overlap)
     gather = allgather_s(nbytes, dp, link)
@@ -139,6 +143,7 @@ def dp_comm_s(
         return exposed_s(scatter, backward_time_s, overlap) + gather
     if zero == 2:
         return gas * exposed_s(scatter, backward_time_s, overlap) + gather
+    gather = gather if trainable is None else allgather_s(precision.element_bytes * n / tp, dp, link)
     # backward's gather and the gradient scatter share the link, so they hide behind backward together
     per_microbatch = exposed_s(gather, forward_time_s, overlap) + exposed_s(gather + scatter, backward_time_s, overlap)
     return gas * per_microbatch
@@ -155,14 +160,19 @@ def offload_s(
     pcie_GBps: float,
     cpu_adam_params_per_s: float,
     devices_per_node: int,
+    trainable: float | None = None,
 ) -> float:
-    """Offload per step (ZeRO-Offload, Ren 2021): gradients to host each micro-batch, weights back once, CPU Adam on the partition (the host's rate shared by its devices); ZeRO-Infinity also fetches weights for every forward and backward."""
+    """Offload per step (ZeRO-Offload, Ren 2021): gradients to host each micro-batch, updated weights back once, CPU Adam
+    on the partition (the host's rate shared by its devices), all for the ``trainable`` parameters (default all ``n``);
+    ZeRO-Infinity also fetches all ``n`` weights for every forward and backward."""
     if offload is Offload.NONE:
         return 0.0
-    shard_bytes = precision.element_bytes * n / (tp * dp)
-    transfers = gas + 1 + (2 * gas if offload is Offload.OPTIMIZER_PARAMS else 0)
-    adam_s = n / (tp * dp) * devices_per_node / cpu_adam_params_per_s
-    return transfers * shard_bytes / (pcie_GBps * 1e9) + adam_s
+    t = n if trainable is None else trainable
+    moved = (gas + 1) * precision.element_bytes * t / (tp * dp)
+    if offload is Offload.OPTIMIZER_PARAMS:
+        moved += 2 * gas * precision.element_bytes * n / (tp * dp)
+    adam_s = t / (tp * dp) * devices_per_node / cpu_adam_params_per_s
+    return moved / (pcie_GBps * 1e9) + adam_s
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
