@@ -8,12 +8,17 @@ device kind and world shape, so a restart does not measure again.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import socket
+import sys
+import tempfile
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import psutil
 import torch
@@ -35,6 +40,12 @@ from lightning_fleet.planning.yamlspec import read_yaml
 MATMUL_SHAPES = ((32, 32), (128, 32), (64, 64), (256, 64), (128, 128), (512, 128), (256, 256), (1024, 256), (512, 512))
 """(tokens, width) of the layer GEMMs [tokens x width] @ [width x width] whose rates fit the saturating efficiency curve
 against the edge of their volume's cube (the size the cost model prices a layer's GEMMs at)."""
+MATMUL_LARGEST_WIDTH = 8192
+"""Beyond MATMUL_SHAPES, square GEMMs of doubling width are measured while the rate still rises, up to this width."""
+MATMUL_STILL_RISING = 1.05
+"""A larger GEMM counts as still rising when it runs at least this factor faster than every smaller one."""
+MATMUL_LONGEST_S = 1.0
+"""No GEMM is measured whose one call would take longer than this at the rate of the last one (each is run >= 7 times)."""
 ALLREDUCE_BYTES = (4096, 65536, 1024 * 1024, 8 * 1024 * 1024)
 """All-reduce message sizes whose times fit the ring model's latency and bandwidth."""
 
@@ -60,18 +71,21 @@ def least_squares_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return my - slope * mx, slope
 
 
-def fit_saturation(points: list[tuple[float, float]]) -> tuple[float, float]:
+def fit_saturation(points: list[tuple[float, float]], max_peak: float | None = None) -> tuple[float, float]:
     """Fit r(d) = peak * d / (d + half) to measured (d, rate) points; returns (peak, half).
 
     Least squares in relative error, sum(((r(d) - rate) / rate) ** 2), as the cost model's errors
-    are relative: for a given ``half`` the best ``peak`` is closed-form, and ``half`` is searched
-    on a log grid over 0 and 1 ... 1e5, then refined by golden section around the best grid point.
-    A rate that does not grow with size fits best at half = 0 (flat).
+    are relative: for a given ``half`` the best ``peak`` is closed-form (clipped to ``max_peak``: the
+    objective is a parabola in ``peak``, so the clipped value is the best allowed one), and ``half``
+    is searched on a log grid over 0 and 1 ... 1e5, then refined by golden section around the best
+    grid point. A rate that does not grow with size fits best at half = 0 (flat).
     """
 
     def best_peak(half: float) -> tuple[float, float]:
         g = [d / (d + half) / r for d, r in points]  # model shape over the measured rate
         peak = sum(g) / sum(x * x for x in g)
+        if max_peak is not None:
+            peak = min(peak, max_peak)
         return sum((peak * x - 1) ** 2 for x in g), peak
 
     grid = [0.0] + [10 ** (k / 40) for k in range(201)]
@@ -88,6 +102,52 @@ def fit_saturation(points: list[tuple[float, float]]) -> tuple[float, float]:
     if best_peak(0.0)[0] <= best_peak(half)[0]:
         half = 0.0
     return best_peak(half)[1], half
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MatmulFit:
+    """The saturating curve of one precision's GEMM rates, and how far it was allowed to go beyond the measurements."""
+
+    precision: str
+    """fp32 or bf16."""
+    points: tuple[tuple[float, float], ...]
+    """(cube edge d, FLOP/s) of each measured GEMM shape."""
+    peak_flops: float
+    """The curve's peak as written: never above the fastest GEMM measured (:func:`fit_matmul`)."""
+    half_dim: float
+    """The size at which the curve reaches half its peak."""
+    unbounded_peak_flops: float
+    """The peak of the fit without that bound (larger when the rates were still rising at the largest size)."""
+
+    @property
+    def best_flops(self) -> float:
+        """The fastest GEMM measured."""
+        return max(rate for _, rate in self.points)
+
+    @property
+    def bounded(self) -> bool:
+        """The bound changed the fit: the unbounded curve claimed a peak no GEMM reached (beyond rounding)."""
+        return self.unbounded_peak_flops > self.peak_flops * (1 + 1e-9)
+
+    @property
+    def still_rising(self) -> bool:
+        """The largest GEMM measured was still clearly the fastest (MATMUL_STILL_RISING): larger layers may run faster."""
+        *smaller, (_, last) = self.points
+        return last >= MATMUL_STILL_RISING * max(rate for _, rate in smaller)
+
+
+def fit_matmul(precision: str, points: list[tuple[float, float]]) -> MatmulFit:
+    """Fit the saturating curve with its peak at most the fastest rate measured.
+
+    Unbounded, a curve that is still rising at the largest size measured states a peak far beyond
+    every measurement: bf16 on this 2-vCPU VM (AMX; 4 GFLOP/s at d = 32, 1.7 TFLOP/s at d = 406)
+    fitted half = 1e5, the end of the grid, and a peak of 17-20 TFLOP/s, 11x the fastest GEMM run.
+    Bounded, the cost model never prices a GEMM faster than one that was measured.
+    """
+    free_peak, _ = fit_saturation(points)
+    best = max(rate for _, rate in points)
+    peak, half = fit_saturation(points, max_peak=best)
+    return MatmulFit(precision=precision, points=tuple(points), peak_flops=peak, half_dim=half, unbounded_peak_flops=free_peak)
 
 
 def fit_alpha_beta(points: list[tuple[float, float]], n: int) -> tuple[float, float]:
@@ -159,14 +219,32 @@ def across_ranks(value: float, device: torch.device, op: dist.ReduceOp.RedOpType
     return float(t.item())
 
 
-def _device_spec(device: torch.device, shape: WorldShape, dispatch_s: float) -> tuple[DeviceSpec, float]:
-    """The measured device, and the matmul size at which it reaches half its large-matmul rate (``dispatch_s``: the
-    per-operator host time, taken off each GEMM's time)."""
-    fits = {}
-    for key, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        fits[key] = fit_saturation([((t * w * w) ** (1 / 3), across_ranks(matmul_rate(t, w, device, dtype, dispatch_s), device))
-                                    for t, w in MATMUL_SHAPES])
-    peak = {key: rate / 1e12 for key, (rate, _) in fits.items()}
+def matmul_points(device: torch.device, dtype: torch.dtype, dispatch_s: float) -> list[tuple[float, float]]:
+    """(cube edge, FLOP/s) of the MATMUL_SHAPES GEMMs, then of square GEMMs of doubling width while the rate still
+    rises (MATMUL_STILL_RISING) and a call stays short (MATMUL_LONGEST_S), so that the fastest GEMM measured is close
+    to what large layers reach. Rates are the minimum over ranks, so every rank takes the same decisions (and joins the
+    same collectives)."""
+
+    def point(tokens: int, width: int) -> tuple[float, float]:
+        return (tokens * width * width) ** (1 / 3), across_ranks(matmul_rate(tokens, width, device, dtype, dispatch_s), device)
+
+    points = [point(t, w) for t, w in MATMUL_SHAPES]
+    width = MATMUL_SHAPES[-1][1] * 2
+    while width <= MATMUL_LARGEST_WIDTH and 2 * width**3 / points[-1][1] <= MATMUL_LONGEST_S:
+        best = max(rate for _, rate in points)
+        points.append(point(width, width))
+        if points[-1][1] < MATMUL_STILL_RISING * best:
+            break
+        width *= 2
+    return points
+
+
+def _device_spec(device: torch.device, shape: WorldShape, dispatch_s: float) -> tuple[DeviceSpec, dict[str, MatmulFit]]:
+    """The measured device, and the GEMM fit of each precision (``dispatch_s``: the per-operator host time, taken off
+    each GEMM's time). The cluster keeps one half size, fp32's."""
+    precisions = (("fp32", torch.float32), ("bf16", torch.bfloat16))
+    fits = {key: fit_matmul(key, matmul_points(device, dtype, dispatch_s)) for key, dtype in precisions}
+    peak = {key: fit.peak_flops / 1e12 for key, fit in fits.items()}
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         name, memory, fp16 = props.name, props.total_memory / GIB, peak["bf16"]
@@ -175,7 +253,7 @@ def _device_spec(device: torch.device, shape: WorldShape, dispatch_s: float) -> 
         memory = psutil.virtual_memory().available / GIB / shape.local_world_size
         fp16 = peak["fp32"]  # CPU fp16 matmuls are no faster than fp32
     spec = DeviceSpec(name=name, memory_gib=round(memory, 2), peak_tflops=PeakTflops(bf16=peak["bf16"], fp16=fp16, fp32=peak["fp32"]))
-    return spec, fits["fp32"][1]
+    return spec, fits
 
 
 def _link(device: torch.device, world_size: int) -> LinkSpec:
@@ -257,6 +335,42 @@ PROBE_LAYERS = 16
 """Linear layers of the framework probe (width 16: its compute is negligible)."""
 
 
+def probe_plan(world: int, zero: int, gas: int, offload: str = "none") -> str:
+    """The probe's plan, every axis fixed (a partial plan would let the planner choose, e.g., recomputation)."""
+    return f"dp={world},tp=1,pp=1,zero={zero},mbs=1,gas={gas},recompute=none,sp=false,vpp=1,offload={offload}"
+
+
+@contextlib.contextmanager
+def quiet_output(tail_bytes: int = 20000) -> Iterator[None]:
+    """While the block runs, what this process writes to stdout and stderr (Python, C++ and subprocesses alike) goes
+    to a temporary file, and Python warnings are ignored; both are restored afterwards. If the block raises, the last
+    ``tail_bytes`` of what it wrote are put on stderr before the error propagates. For calibration's own runs only:
+    the user's process never runs this."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = {fd: os.dup(fd) for fd in (1, 2)}
+    failed = False
+    with tempfile.TemporaryFile() as log, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for fd in saved:
+            os.dup2(log.fileno(), fd)
+        try:
+            yield
+        except BaseException:
+            failed = True
+            raise
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            for fd, copy in saved.items():
+                os.dup2(copy, fd)
+                os.close(copy)
+            if failed:
+                log.seek(max(log.seek(0, os.SEEK_END) - tail_bytes, 0))
+                sys.stderr.write(log.read().decode(errors="replace"))
+                sys.stderr.flush()
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class FrameworkOverheads:
     """Seconds the framework itself (Lightning's loop, FleetStrategy, DeepSpeed's engine) adds, per ZeRO stage 0-3."""
@@ -276,16 +390,21 @@ def framework_overheads(cluster: ClusterSpec, *, steps: int = 8, warmup: int = 2
     ``accumulation`` micro-batches per step. What the cost model already prices for the probe on ``cluster`` (its
     compute, operator dispatch, collectives, optimizer step, offload transfers: the estimate with no framework
     constants) is taken off each measured step; of the rest, the growth per micro-batch is the micro-batch overhead
-    and the remainder the step overhead. Every rank of the live process group must call this together."""
-    import logging
+    and the remainder the step overhead. Every rank of the live process group must call this together.
 
+    What the probe's runs print (Lightning's and DeepSpeed's messages, the plan tables, warnings) is kept out of
+    the terminal while it runs (:func:`quiet_output`), and shown only if the probe fails."""
+    with quiet_output():
+        return _probe_overheads(cluster, steps=steps, warmup=warmup, accumulation=accumulation)
+
+
+def _probe_overheads(cluster: ClusterSpec, *, steps: int, warmup: int, accumulation: int) -> FrameworkOverheads:
+    """:func:`framework_overheads`, unquieted."""
     from lightning.pytorch import LightningModule, Trainer
     from lightning.pytorch.callbacks import Callback
 
     from lightning_fleet.strategy import FleetStrategy
 
-    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
     world = cluster.world_size
 
     class Probe(LightningModule):
@@ -314,7 +433,7 @@ def framework_overheads(cluster: ClusterSpec, *, steps: int = 8, warmup: int = 2
 
     def median_step(zero: int, gas: int, offload: str = "none") -> float:
         clock = Clock()
-        plan = f"dp={world},zero={zero},mbs=1,gas={gas},offload={offload}"
+        plan = probe_plan(world, zero, gas, offload)
         trainer = Trainer(accelerator=accelerator, devices=1, strategy=FleetStrategy(plan=plan, cluster=cluster, global_batch_size=world * gas),
                           max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                           num_sanity_val_steps=0, limit_val_batches=0, callbacks=[clock])
@@ -333,7 +452,7 @@ def framework_overheads(cluster: ClusterSpec, *, steps: int = 8, warmup: int = 2
     def excess(zero: int, gas: int, offload: str = "none") -> float:
         """Measured step time of the probe beyond what the model prices without framework constants."""
         batch = world * gas
-        plan = parse_plan(f"dp={world},zero={zero},mbs=1,gas={gas},offload={offload}", global_batch_size=batch)
+        plan = parse_plan(probe_plan(world, zero, gas, offload), global_batch_size=batch)
         priced = estimate(dataclasses.replace(spec, global_batch_size=batch), unpriced, plan).time.step_s
         return median_step(zero, gas, offload) - priced
 
@@ -352,19 +471,35 @@ def framework_overheads(cluster: ClusterSpec, *, steps: int = 8, warmup: int = 2
                               offload_microbatch_s=(max(offloaded, 0.0), max(params, 0.0)))
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Measurement:
+    """What :func:`measure` found: the cluster to plan with, and the GEMM fits behind its peaks."""
+
+    cluster: ClusterSpec
+    """The measured cluster."""
+    matmul: tuple[MatmulFit, ...]
+    """The GEMM fit of each precision (fp32, bf16)."""
+
+
 def measure_cluster(device: torch.device, shape: WorldShape, baseline_rss_bytes: float | None = None) -> ClusterSpec:
-    """Microbenchmark the live job (every rank must call this together) and describe it.
+    """Microbenchmark the live job (every rank must call this together) and describe it (:func:`measure`'s cluster)."""
+    return measure(device, shape, baseline_rss_bytes).cluster
+
+
+def measure(device: torch.device, shape: WorldShape, baseline_rss_bytes: float | None = None) -> Measurement:
+    """Microbenchmark the live job (every rank must call this together): the cluster, and the GEMM fits behind it.
 
     On CPU the memory a training process holds before its model (interpreter, torch, Lightning,
     DeepSpeed) is the runtime reserve: ``baseline_rss_bytes`` when given, else this process' RSS now.
     """
     rss_gib = (psutil.Process().memory_info().rss if baseline_rss_bytes is None else baseline_rss_bytes) / GIB
     dispatch_s = float(f"{across_ranks(op_overhead_s(device), device):.3g}")
-    spec, half_dim = _device_spec(device, shape, dispatch_s)
+    spec, fits = _device_spec(device, shape, dispatch_s)
+    half_dim = fits["fp32"].half_dim
     link = _link(device, shape.world_size)
     device_adam = across_ranks(adam_params_per_s(device), device)
     host_adam = device_adam if device.type == "cpu" else across_ranks(adam_params_per_s(torch.device("cpu")), device)
-    return ClusterSpec(
+    cluster = ClusterSpec(
         name=f"measured-{socket.gethostname()}",
         groups=(DeviceGroup(nodes=shape.num_nodes, devices_per_node=shape.local_world_size, device=spec),),
         intra_node=link,
@@ -383,6 +518,7 @@ def measure_cluster(device: torch.device, shape: WorldShape, baseline_rss_bytes:
             memory_reserve_gib=round(1.0 if device.type == "cuda" else rss_gib, 3),
         ),
     )
+    return Measurement(cluster=cluster, matmul=tuple(fits.values()))
 
 
 def with_framework_overheads(cluster: ClusterSpec) -> ClusterSpec:
@@ -411,27 +547,63 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--no-framework", action="store_true", help="skip the framework probe (Lightning + DeepSpeed)")
     args = parser.parse_args(argv)
-    import deepspeed  # noqa: F401  (a training process has these loaded: the memory baseline must include them)
-    import lightning.pytorch  # noqa: F401
+    with quiet_output():  # DeepSpeed's accelerator warning on import, gloo's messages on init
+        import deepspeed  # noqa: F401  (a training process has these loaded: the memory baseline must include them)
+        import lightning.pytorch  # noqa: F401
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if args.device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    if world > 1:
-        dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        if args.device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        if world > 1:
+            dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     started = time.perf_counter()
     baseline = psutil.Process().memory_info().rss  # before any microbenchmark allocates
-    cluster = measure_cluster(device, WorldShape(world_size=world, num_nodes=max(1, world // local), local_world_size=local), baseline)
-    if not args.no_framework:
-        cluster = with_framework_overheads(cluster)
+    measured = measure(device, WorldShape(world_size=world, num_nodes=max(1, world // local), local_world_size=local), baseline)
+    cluster = measured.cluster if args.no_framework else with_framework_overheads(measured.cluster)
     if int(os.environ.get("RANK", "0")) == 0:
         save_cache(cluster, Path(args.out))
-        print(f"fleet calibrate: {args.out} written in {time.perf_counter() - started:.1f} s", flush=True)
+        lines = summary(measured, cluster, args.out, time.perf_counter() - started, framework=not args.no_framework)
+        print("\n".join(lines), flush=True)
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()
+
+
+def summary(measured: Measurement, cluster: ClusterSpec, out: str, seconds: float, *, framework: bool) -> list[str]:
+    """What ``fleet calibrate`` prints: what was measured, the figures written, and where (seven lines)."""
+    group = cluster.groups[0]
+    c = cluster.calibration
+    peaks = ", ".join(_peak_text(fit) for fit in measured.matmul)
+    link = (
+        f"all-reduce latency {cluster.intra_node.latency_us:g} us, bandwidth {cluster.intra_node.bandwidth_GBps:g} GB/s"
+        if cluster.world_size > 1 else "one process: no collective to measure"
+    )
+    probe = (
+        f"{c.step_overhead_s * 1e3:.3g} ms per step, {c.microbatch_overhead_s * 1e3:.3g} ms per micro-batch "
+        f"(a probe trained through FleetStrategy at ZeRO 0-3)" if framework else "not measured (--no-framework)"
+    )
+    host = f", host {cluster.host.memory_gib:g} GiB (copies {cluster.host.pcie_GBps:g} GB/s)" if cluster.host is not None else ""
+    return [
+        f"fleet calibrate: {cluster.world_size} x {group.device.name} on {group.nodes} node(s), measured in {seconds:.1f} s",
+        f"  GEMM peak   {peaks}; half rate at d={c.matmul_half_dim:g}",
+        f"  memory      {group.device.memory_gib:g} GiB per device (runtime reserve {c.memory_reserve_gib:g} GiB){host}",
+        f"  link        {link}",
+        f"  operators   dispatch {c.op_overhead_s * 1e6:.3g} us, element-wise {c.elementwise_s * 1e9:.3g} ns per element, "
+        f"AdamW {c.adam_params_per_s / 1e6:.3g} M params/s",
+        f"  framework   {probe}",
+        f"  written to  {out} (fleet plan --model MODEL --cluster {out})",
+    ]
+
+
+def _peak_text(fit: MatmulFit) -> str:
+    text = f"{fit.precision} {fit.peak_flops / 1e12:.3g} TFLOP/s"
+    if fit.bounded:
+        text += f" (the fastest GEMM measured; the unbounded fit said {fit.unbounded_peak_flops / 1e12:.3g})"
+    if fit.still_rising:
+        text += f" (still rising at d={fit.points[-1][0]:.0f}, the largest measured)"
+    return text
 
 
 def cache_path(device: torch.device, shape: WorldShape) -> Path:

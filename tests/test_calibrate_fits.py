@@ -68,6 +68,11 @@ def test_fleet_calibrate_writes_a_cluster_for_two_processes(tmp_path):
     done = subprocess.run([sys.executable, "-m", "lightning_fleet", "calibrate", "--nproc-per-node", "2", "--out", str(out)],
                           env=worker_env(tmp_path), cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    # a short summary, none of the probe's framework messages (621 lines before they were kept out)
+    lines = done.stdout.splitlines()
+    assert done.stderr == "" and len(lines) == 7, done.stdout + done.stderr
+    assert lines[0].startswith("fleet calibrate: 2 x cpu-") and "GEMM peak   fp32 " in lines[1]
+    assert f"written to  {out}" in lines[-1]
     cluster = load_cluster(str(out))
     c = cluster.calibration
     assert cluster.world_size == 2 and cluster.intra_node.latency_us > 0
@@ -93,3 +98,136 @@ def test_elementwise_s_is_the_slope_not_the_dispatch() -> None:
 
     seconds = elementwise_s(torch.device("cpu"))
     assert 1e-11 < seconds < 1e-7
+
+
+def test_fit_saturation_with_a_largest_peak_is_the_constrained_least_squares() -> None:
+    """Bounded to max_peak, the fit takes the peak at the bound when the free fit lies above it, and the half size that
+    then minimises the relative errors: moving the half 5 % either way only makes the objective larger."""
+    points = [(d, 1e11 * d / (d + 100)) for d in (32, 64, 128, 256, 512)]
+    bound = max(rate for _, rate in points)
+    peak, half = fit_saturation(points, max_peak=bound)
+    assert peak == bound and 0 < half < 100
+
+    def objective(h: float) -> float:
+        return sum((bound * d / (d + h) / rate - 1) ** 2 for d, rate in points)
+
+    assert objective(half) < objective(half * 1.05) and objective(half) < objective(half * 0.95)
+    assert fit_saturation(points, max_peak=2e11) == pytest.approx(fit_saturation(points))  # a bound above the fit changes nothing
+
+
+def test_a_curve_still_rising_is_not_extrapolated() -> None:
+    """Rates that grow faster than the curve can follow (bf16 on this VM's AMX: 4 GFLOP/s at d = 32, 1.7 TFLOP/s at
+    d = 406, measured) fitted half = 1e5 and a peak of ~20 TFLOP/s unbounded; the peak written is the fastest measured."""
+    from lightning_fleet.calibrate import fit_matmul
+
+    measured = [(32, 4.1e9), (51, 19.4e9), (64, 38.2e9), (102, 137.5e9), (128, 249.3e9), (203, 661e9), (256, 914.7e9),
+                (406, 1584e9), (512, 1521e9), (1024, 1637e9)]
+    fit = fit_matmul("bf16", measured)
+    assert fit.unbounded_peak_flops > 10e12 and fit.bounded
+    assert fit.peak_flops == fit.best_flops == 1637e9
+    assert not fit.still_rising  # 1024 ran at 1637, not 5 % above 1584
+
+
+def test_matmul_points_grow_the_gemm_while_it_gets_faster(monkeypatch) -> None:
+    """After MATMUL_SHAPES, square GEMMs of doubling width are measured while each is >= 5 % faster than all before,
+    so a saturating device's fastest GEMM is within a few percent of its peak; a flat one adds a single size."""
+    import torch
+
+    from lightning_fleet import calibrate
+
+    def saturating(tokens, width, device, dtype, dispatch_s=0.0):  # r(d) = 1e14 * d / (d + 300), a GPU-like curve
+        d = (tokens * width * width) ** (1 / 3)
+        return 1e14 * d / (d + 300)
+
+    monkeypatch.setattr(calibrate, "matmul_rate", saturating)
+    points = calibrate.matmul_points(torch.device("cpu"), torch.float32, 0.0)
+    widths = [round(d) for d, _ in points[len(calibrate.MATMUL_SHAPES):]]
+    assert widths == [1024, 2048, 4096, 8192]  # 8192 is the largest width; 4096 -> 8192 still gains 3.5 % < 5 %: stops
+    fit = calibrate.fit_matmul("bf16", points)
+    assert fit.peak_flops == fit.best_flops and 0.96e14 < fit.peak_flops <= 1e14
+
+    monkeypatch.setattr(calibrate, "matmul_rate", lambda *args, **kwargs: 2e11)
+    points = calibrate.matmul_points(torch.device("cpu"), torch.float32, 0.0)
+    assert len(points) == len(calibrate.MATMUL_SHAPES) + 1
+    fit = calibrate.fit_matmul("fp32", points)
+    assert (fit.peak_flops, fit.half_dim, fit.bounded) == (pytest.approx(2e11), 0.0, False)
+
+
+def test_summary_says_what_was_measured_in_seven_lines() -> None:
+    """The summary names the device, the peaks (and when the bound applied), memory, link, operators, framework, file."""
+    from lightning_fleet.calibrate import MatmulFit, Measurement, summary
+    from tests.conftest import make_cluster
+
+    cluster = make_cluster(nodes=1, devices_per_node=2, step_overhead_s=0.002, microbatch_overhead_s=0.0003)
+    fits = (
+        MatmulFit(precision="fp32", points=((32.0, 1e11), (64.0, 2e11)), peak_flops=2.3e11, half_dim=10.0,
+                  unbounded_peak_flops=2.3e11),
+        MatmulFit(precision="bf16", points=((32.0, 1e11), (64.0, 1.6e12)), peak_flops=1.6e12, half_dim=1e5,
+                  unbounded_peak_flops=2e13),
+    )
+    lines = summary(Measurement(cluster=cluster, matmul=fits), cluster, "out.yaml", 12.3, framework=True)
+    assert len(lines) == 7 and lines[0] == "fleet calibrate: 2 x gpu on 1 node(s), measured in 12.3 s"
+    assert "fp32 0.23 TFLOP/s (still rising at d=64" in lines[1]
+    assert "bf16 1.6 TFLOP/s (the fastest GEMM measured; the unbounded fit said 20)" in lines[1]
+    assert "2 ms per step, 0.3 ms per micro-batch" in lines[5] and lines[6].startswith("  written to  out.yaml")
+    unprobed = summary(Measurement(cluster=cluster, matmul=fits), cluster, "o", 1.0, framework=False)
+    assert "not measured (--no-framework)" in unprobed[5]
+
+
+QUIET_SCRIPT = """
+import logging, os, sys, warnings
+from lightning_fleet.calibrate import quiet_output
+logging.basicConfig(level=logging.INFO)
+levels = (logging.getLogger().level, logging.getLogger("DeepSpeed").level)
+filters = list(warnings.filters)
+with quiet_output():
+    print("python stdout")
+    print("python stderr", file=sys.stderr)
+    os.write(1, b"fd 1\\n")
+    os.write(2, b"fd 2\\n")
+    warnings.warn("a warning")
+    logging.getLogger("DeepSpeed").warning("a log record")
+    os.system("echo from a subprocess")
+assert (logging.getLogger().level, logging.getLogger("DeepSpeed").level) == levels and warnings.filters == filters
+print("after")
+if sys.argv[1] == "fail":
+    with quiet_output():
+        print("the probe said why")
+        raise RuntimeError("probe failed")
+"""
+
+
+@pytest.mark.parametrize("mode", ["ok", "fail"])
+def test_quiet_output_keeps_everything_out_then_restores(mode, tmp_path) -> None:
+    """Inside quiet_output nothing reaches the real stdout/stderr (Python, fd writes, warnings, logs, subprocesses);
+    afterwards output, logger levels and warning filters are as before; on failure the captured tail is shown."""
+    import subprocess
+    import sys
+
+    from tests.multiprocess import ROOT, worker_env
+
+    done = subprocess.run([sys.executable, "-c", QUIET_SCRIPT, mode], env=worker_env(tmp_path), cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert done.stdout == "after\n"
+    if mode == "ok":
+        assert done.returncode == 0 and done.stderr == ""
+    else:
+        assert done.returncode == 1
+        assert done.stderr.startswith("the probe said why\n") and "RuntimeError: probe failed" in done.stderr
+
+
+def test_matmul_points_stop_before_a_gemm_would_take_too_long(monkeypatch) -> None:
+    """A slow device whose rate keeps rising: the next GEMM is not run once one call would exceed MATMUL_LONGEST_S."""
+    import torch
+
+    from lightning_fleet import calibrate
+
+    def slow_rising(tokens, width, device, dtype, dispatch_s=0.0):  # 1 GFLOP/s at d = 512, doubling with d
+        return 1e9 * (tokens * width * width) ** (1 / 3) / 512
+
+    monkeypatch.setattr(calibrate, "matmul_rate", slow_rising)
+    points = calibrate.matmul_points(torch.device("cpu"), torch.float32, 0.0)
+    assert len(points) == len(calibrate.MATMUL_SHAPES)  # 2 * 1024**3 / 1e9 = 2.1 s > 1 s: not run
+    monkeypatch.setattr(calibrate, "MATMUL_LONGEST_S", 3.0)
+    points = calibrate.matmul_points(torch.device("cpu"), torch.float32, 0.0)
+    assert [round(d) for d, _ in points[len(calibrate.MATMUL_SHAPES):]] == [1024]  # 2048 would take 8.6 s

@@ -96,6 +96,14 @@ BAD = [
     (["estimate", "--model", "gpt-3-x", "--cluster", "cpu", "--plan", "dp=2"], "no model file or preset"),
     (["plan", "--model", "gpt3-175b", "--cluster", "cpu"], "needs"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
+    (["plan", "--model", "gpt-tiny", "--cluster", "cpu", "--max-tp", "0"], "--max-tp must be >= 1, got 0"),
+    (["plan", "--model", "gpt-tiny", "--cluster", "cpu", "--fix", "mbs=x"], "mbs must be an integer, got 'x'"),
+    (["plan", "--model", "gpt-tiny", "--cluster", "cpu", "--fix", "zero=3", "--zero-stages", "0,1"],
+     "zero=3 is not allowed here (allowed: zero 0, 1)"),
+    (["plan", "--model", "gpt-tiny", "--cluster", "cpu", "--fix", "mbs=3"],
+     "mbs 3 does not split the global batch size (16) / dp into mbs * gas"),
+    (["plan", "--model", "gpt-tiny", "--cluster", "cpu", "--fix", "tp=2,sp=true", "--no-sp"],
+     "sp=true is not allowed here (allowed: sp=false)"),
     (["plan", "--model", "gpt-tiny"], "the following arguments are required: --cluster"),
 ]
 
@@ -142,3 +150,55 @@ def test_planning_core_imports_no_torch_lightning_or_deepspeed():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_plan_fix_keeps_the_fixed_axes_and_chooses_the_rest(capsys):
+    """fleet plan --fix zero=1,mbs=4: every plan has ZeRO-1 and micro-batches of 4; layouts and the rest still vary."""
+    argv = ("plan", "--model", "gpt-1.7b", "--cluster", "dgx-a100-80gb", "--top", "5", "--fix", "zero=1,mbs=4", "--json")
+    code, out, _ = run_cli(capsys, *argv)
+    assert code == 0
+    plans = [e["plan"] for e in json.loads(out)["plans"]]
+    assert len(plans) == 5 and all(p["zero"] == 1 and p["mbs"] == 4 for p in plans)
+    assert len({(p["dp"], p["tp"], p["pp"]) for p in plans}) > 1
+
+
+def test_estimate_table_says_why_a_plan_does_not_fit(capsys):
+    """A plan that does not fit: the verdict names the need, the device size and the largest term."""
+    code, out, _ = run_cli(capsys, "estimate", "--model", "gpt3-175b", "--cluster", "dgx-a100-80gb", "--plan", "dp=8")
+    assert code == 0
+    assert "does not fit: needs " in out and "> 80.00 GiB" in out and "largest term optimizer states" in out
+
+
+PIPED = [
+    ["estimate", "--model", "gpt-tiny", "--cluster", "cpu", "--plan", "dp=2", "--json"],
+    ["estimate", "--model", "gpt-tiny", "--cluster", "cpu", "--plan", "dp=2"],
+    ["plan", "--model", "gpt-tiny", "--cluster", "cpu", "--json"],
+    ["plan", "--model", "gpt-tiny", "--cluster", "cpu"],
+]
+
+
+@pytest.mark.parametrize("argv", PIPED, ids=["estimate-json", "estimate-table", "plan-json", "plan-table"])
+def test_a_reader_that_went_away_ends_quietly(argv):
+    """Output into a pipe whose reader has exited (`fleet ... | head`): no traceback, nothing on stderr, and the status a
+    shell shows for coreutils killed by SIGPIPE (141). The reader is closed before fleet writes, so the pipe breaks
+    on every run."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        done = subprocess.run([sys.executable, "-m", "lightning_fleet", *argv], stdout=write, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    finally:
+        os.close(write)
+    assert done.stderr == "" and done.returncode == 141
+
+
+def test_head_reads_the_start_of_the_json(tmp_path):
+    """`fleet plan --json | head -c 10` through a shell: head gets the first bytes; fleet prints no traceback whether
+    or not the pipe broke before it finished writing (61 kB of JSON against head reading 10 bytes)."""
+    err = tmp_path / "err.txt"
+    fleet = f"{sys.executable} -m lightning_fleet plan --model gpt3-175b --cluster dgx-a100-80gb-x128 --top 50 --json"
+    command = f"{fleet} 2>{err} | head -c 10"
+    done = subprocess.run(["bash", "-c", command + "; exit ${PIPESTATUS[0]}"], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    assert done.stdout == '{"plans": '
+    assert err.read_text() == "" and done.returncode in (0, 141)

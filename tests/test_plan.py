@@ -76,3 +76,91 @@ def test_check_names_every_factor():
     assert "tp(3) does not divide num_heads(16)" in message
     assert "pp(5) * vpp(1) = 5 does not divide num_layers(12)" in message
     assert "dp(3) * mbs(1) * gas(2) = 6 != global batch size 8" in message
+
+
+# --- partial plans ---------------------------------------------------------------------------------------------------
+
+from lightning_fleet.planning import PartialPlan, parse_partial_plan  # noqa: E402
+
+
+def test_partial_plan_keeps_only_the_keys_given():
+    """'dp=2,zero=1' fixes dp and zero and nothing else (no mbs=1 filled in); its string is the keys given, in plan order."""
+    p = parse_partial_plan("zero=1, dp=2")
+    assert (p.dp, p.zero) == (2, 1)
+    assert all(getattr(p, name) is None for name in ("tp", "pp", "mbs", "gas", "recompute", "sp", "vpp", "offload", "order"))
+    assert str(p) == "dp=2,zero=1" and p.fixed == {"dp": 2, "zero": 1}
+    assert not p.complete and p.missing == ("tp", "pp", "mbs", "recompute", "sp", "vpp", "offload")
+    assert parse_partial_plan("") == PartialPlan() and str(PartialPlan()) == ""
+
+
+def test_partial_plan_parses_every_key_as_parse_plan_does():
+    """The full issue string read as a partial plan fixes every field to the value parse_plan reads."""
+    full = parse_plan(ISSUE_STRING + ",order=dp-tp-pp")
+    partial = parse_partial_plan(ISSUE_STRING + ",order=dp-tp-pp")
+    assert partial.complete and partial.to_plan() == full and partial.to_plan(global_batch_size=32 * 2 * 28) == full
+    assert str(partial) == str(full)
+    assert partial.recompute is Recompute.FULL and partial.offload is Offload.NONE and partial.sp is False
+    assert partial.order == (Axis.DP, Axis.TP, Axis.PP)
+
+
+def test_to_plan_derives_gas_or_checks_it():
+    """A complete partial plan without gas takes gas from the global batch; with gas it must agree with it."""
+    p = parse_partial_plan("dp=2,tp=1,pp=1,zero=1,mbs=4,recompute=none,sp=false,vpp=1,offload=none")
+    assert p.to_plan(global_batch_size=64).gas == 8
+    with pytest.raises(PlanError, match="has no gas= and no global batch size"):
+        p.to_plan()
+    with pytest.raises(PlanError, match=r"global batch size 12 is not divisible by dp\(2\) \* mbs\(4\) = 8"):
+        p.to_plan(global_batch_size=12)
+    with pytest.raises(PlanError, match=r"dp\(2\) \* mbs\(4\) \* gas\(3\) = 24 != global batch size 64"):
+        p.fix(gas=3).to_plan(global_batch_size=64)
+    with pytest.raises(PlanError, match="leaves mbs, recompute to the planner"):
+        parse_partial_plan("dp=2,tp=1,pp=1,zero=1,sp=false,vpp=1,offload=none").to_plan(global_batch_size=64)
+
+
+def test_fix_adds_a_key_or_refuses_a_conflict():
+    """micro_batch_size=N joins a plan string as mbs=N; the same value again is fine, another one is one line."""
+    p = parse_partial_plan("dp=2,zero=1")
+    assert p.fix(mbs=4) == PartialPlan(dp=2, zero=1, mbs=4)
+    assert p.fix(mbs=4).fix(mbs=4) == p.fix(mbs=4)
+    with pytest.raises(PlanError) as err:
+        p.fix(mbs=4).fix(mbs=2)
+    assert str(err.value) == "plan 'dp=2,zero=1,mbs=4' already fixes mbs=4; it cannot also be 2"
+    with pytest.raises(PlanError, match="mbs must be a positive integer, got 0"):
+        p.fix(mbs=0)
+    with pytest.raises(PlanError, match="unknown key 'micro'"):
+        p.fix(micro=2)
+
+
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("dp=0", "dp must be a positive integer, got 0"),
+        ("mbs=-1", "mbs must be a positive integer, got -1"),
+        ("tp=1,sp=true", "sp=true needs tp > 1"),
+        ("pp=1,vpp=2", "vpp=2 needs pp > 1"),
+        ("zero=0,offload=optimizer", "offload=optimizer needs zero >= 1"),
+        ("zero=2,offload=optimizer+params", "offload=optimizer+params needs zero=3"),
+        ("recompute=some", "recompute must be one of none, selective, full, got 'some'"),
+        ("offload=disk", "offload must be one of none, optimizer, optimizer+params, got 'disk'"),
+        ("sp=yes", "sp must be true or false"),
+        ("order=tp-tp-pp", "order must name dp, tp and pp once each"),
+        ("order=tp-dp-xx", "order must be one of dp, tp, pp, got 'xx'"),
+        ("zero=7", "zero must be 0, 1, 2 or 3, got 7"),
+        ("mbs=two", "mbs must be an integer, got 'two'"),
+        ("dp=2,dp=3", "dp given twice"),
+        ("dp=2,tp", "'tp' is not key=value"),
+        ("flavour=3", "unknown key 'flavour'"),
+    ],
+)
+def test_bad_partial_plan_strings(text, message):
+    """Each malformed partial plan is one PlanError line, worded as parse_plan words it."""
+    with pytest.raises(PlanError) as err:
+        parse_partial_plan(text)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_partial_plans_are_frozen_values():
+    a, b = parse_partial_plan("dp=2,zero=1"), PartialPlan(zero=1, dp=2)
+    assert a == b and hash(a) == hash(b)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.dp = 4  # type: ignore[misc]

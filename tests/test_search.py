@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -10,12 +11,14 @@ from tests.conftest import make_cluster, make_model
 from lightning_fleet.planning import (
     Axis,
     Constraints,
+    HostSpec,
     NoFeasiblePlanError,
     Offload,
     Plan,
     PlanError,
     Recompute,
     estimate,
+    parse_plan,
     plan,
 )
 from lightning_fleet.planning.search import divisors
@@ -127,16 +130,21 @@ def test_nothing_fits_names_the_closest_plan_and_what_helps():
     message = str(err.value)
     assert "\n" not in message
     assert message.startswith(f"model {model.name!r} needs ")
-    assert "GiB memory per device with the best plan (dp=" in message
+    assert "GiB memory per device with the closest plan (dp=" in message
     assert "devices have 1.00 GiB" in message
-    assert "add devices" in message and "allow offload" in message
+    assert "add devices" in message and "give the cluster a host: section (memory_gib, pcie_GBps) to allow offload" in message
 
 
 def test_no_layout_divides_is_a_clear_error():
     """Heads, layers and batch that no factorization divides: the error says so."""
     model = make_model(layers=3, hidden=768, heads=3, seq=128, gbs=5)
-    with pytest.raises(NoFeasiblePlanError, match="no layout divides"):
+    with pytest.raises(NoFeasiblePlanError) as err:
         plan(model, make_cluster(nodes=1, devices_per_node=4))
+    message = str(err.value)
+    assert "no layout dp x tp x pp = 4 is left: " in message
+    for part in ("tp must divide num_heads (3)", "pp must divide num_layers (3)", "dp must divide the global batch size (5)"):
+        assert part in message
+    assert message.endswith(": change the device count or the global batch size")
 
 
 def test_misfit_reasons_name_the_term_and_the_shortfall():
@@ -269,3 +277,283 @@ def test_fastest_link_bound_prunes_and_a_wrong_bound_is_caught(monkeypatch):
     assert len(pruned.all_feasible) < len(full.all_feasible)
     assert (pruned.plans, pruned.rejected) == (full.plans, full.rejected)
     assert (wrong.plans, wrong.rejected) != (full.plans, full.rejected)
+
+
+# --- partial plans: fixed axes, the planner chooses the rest -------------------------------------------------------
+
+from functools import lru_cache  # noqa: E402
+
+from lightning_fleet.planning import PartialPlan, parse_partial_plan  # noqa: E402
+from lightning_fleet.planning.plan import DEFAULT_ORDER  # noqa: E402
+
+SMALL = {"offload-2x4": CASES[1].values, "tight-2x2": CASES[0].values}
+
+
+@lru_cache(maxsize=None)
+def every_plan(case: str) -> tuple:
+    """brute_force of a case, kept: the fixed-axis tests filter it many ways."""
+    model, cluster = SMALL[case]
+    return tuple(brute_force(model, cluster))
+
+
+def admitted(p: Plan, partial: PartialPlan) -> bool:
+    """The plan agrees with every fixed field (order too: a plan with no fixed order is counted at the default placement)."""
+    fixed = partial.fixed
+    order = fixed.pop("order", DEFAULT_ORDER)
+    return p.order == order and all(getattr(p, name) == value for name, value in fixed.items())
+
+
+def check_against_brute_force(case: str, partial: PartialPlan) -> None:
+    """Only plans with the fixed values are candidates; counts, the best time and every returned plan match brute force."""
+    model, cluster = SMALL[case]
+    candidates = [e for e in every_plan(case) if admitted(e.plan, partial)]  # at the fixed placement, else the default
+    result = plan(model, cluster, top=3, exhaustive=True, constraints=partial.constraints(Constraints()))
+    assert result.candidates == len(candidates) > 0
+    assert result.feasible == sum(e.fits for e in candidates)
+    # without a fixed order the search may also place the best plans otherwise: compare with every placement
+    placed = candidates
+    if partial.order is None:
+        placed = [e for e in every_plan(case) if admitted(e.plan.replace(order=DEFAULT_ORDER), partial)]
+    assert result.best.time.step_s == pytest.approx(min(e.time.step_s for e in placed if e.fits), rel=1e-12)
+    for e in result.all_feasible:
+        assert admitted(e.plan.replace(order=partial.order or DEFAULT_ORDER), partial), e.plan
+        assert estimate(model, cluster, e.plan).fits
+
+
+FIXED_ALONE = ["dp=2", "tp=2", "pp=2", "zero=1", "zero=3", "mbs=2", "gas=4", "recompute=selective", "sp=true", "sp=false",
+               "vpp=2", "offload=optimizer", "offload=none", "order=dp-tp-pp", "order=pp-dp-tp"]
+
+
+@pytest.mark.parametrize("text", FIXED_ALONE)
+def test_each_fixed_axis_alone_matches_brute_force(text):
+    """One fixed axis: the search counts, prices and returns only plans with that value, as an enumeration does."""
+    check_against_brute_force("offload-2x4", parse_partial_plan(text))
+
+
+FIXED_TOGETHER = ["dp=2,zero=1", "tp=2,sp=true,recompute=full", "pp=2,vpp=2,zero=1,mbs=2", "zero=3,offload=optimizer+params,gas=2",
+                  "dp=4,tp=2,order=dp-tp-pp", "mbs=1,recompute=none,offload=none", "tp=1,pp=4,vpp=2"]
+
+
+@pytest.mark.parametrize("text", FIXED_TOGETHER)
+def test_fixed_axes_together_match_brute_force(text):
+    """Several fixed axes at once on two small cases (one tight on memory)."""
+    for case in SMALL:
+        model, cluster = SMALL[case]
+        partial = parse_partial_plan(text)
+        if not any(admitted(e.plan, partial) for e in every_plan(case)):
+            with pytest.raises(NoFeasiblePlanError):
+                plan(model, cluster, constraints=partial.constraints(Constraints()))
+            continue
+        try:
+            check_against_brute_force(case, partial)
+        except NoFeasiblePlanError:
+            assert not any(e.fits for e in every_plan(case) if admitted(e.plan.replace(order=DEFAULT_ORDER), partial))
+
+
+def test_a_fully_fixed_string_gives_exactly_that_plan():
+    """Every axis fixed: one candidate, and it is the plan to_plan() builds without a search."""
+    model, cluster = SMALL["offload-2x4"]
+    partial = parse_partial_plan("dp=2,tp=2,pp=2,zero=1,mbs=2,recompute=full,sp=true,vpp=2,offload=optimizer")
+    assert partial.complete
+    forced = partial.to_plan(model.global_batch_size)
+    result = plan(model, cluster, constraints=partial.constraints(Constraints()))
+    assert result.candidates == 1 and result.best.plan == forced and len(result.plans) == 1
+    alone = estimate(model, cluster, forced)
+    assert (result.best.memory, result.best.time) == (alone.memory, alone.time)
+
+
+def test_fixed_micro_batch_size_is_kept_when_a_larger_one_is_faster():
+    """mbs fixed (micro_batch_size=N in the strategy) holds even where the free search picks another size."""
+    model, cluster = SMALL["offload-2x4"]
+    free = plan(model, cluster, top=1).best.plan.mbs
+    pinned = 1 if free != 1 else 2
+    result = plan(model, cluster, top=5, constraints=PartialPlan(mbs=pinned).constraints(Constraints()))
+    assert {e.plan.mbs for e in result.plans} == {pinned}
+
+
+NARROW_ERRORS = [
+    ("zero=3", dict(zero_stages=(0, 1)), "zero=3 is not allowed here (allowed: zero 0, 1)"),
+    ("pp=2,zero=2", dict(max_zero_with_pp=1), "zero=2 is not allowed here (allowed: zero 0, 1 with pp > 1)"),
+    ("tp=2", dict(max_tp=1), "tp=2 is not allowed here (allowed: tp <= 1)"),
+    ("pp=4", dict(max_pp=2), "pp=4 is not allowed here (allowed: pp <= 2)"),
+    ("vpp=2", dict(max_vpp=1), "vpp=2 is not allowed here (allowed: vpp <= 1)"),
+    ("vpp=2", dict(max_pp=1), "vpp=2 is not allowed here (allowed: vpp=1, as pp <= 1 here"),
+    ("tp=2,pp=2", dict(tp_with_pp=False), "tp=2 is not allowed here (allowed: tp=1 when pp > 1)"),
+    ("recompute=selective", dict(recompute=("none", "full")),
+     "recompute=selective is not allowed here (allowed: recompute none, full)"),
+    ("zero=1,offload=optimizer", dict(allow_offload=False), "offload=optimizer is not allowed here (allowed: offload none)"),
+    ("offload=none", dict(require_offload=True),
+     "offload=none is not allowed here (allowed: offload optimizer, optimizer+params)"),
+    ("pp=2,offload=optimizer", dict(offload_with_pp=False), "offload=optimizer is not allowed here (allowed: offload none)"),
+    ("offload=optimizer+params", dict(zero_stages=(0, 1, 2)),
+     "offload=optimizer+params is not allowed here (allowed: offload none, as zero is 0, 1, 2"),
+    ("sp=true", dict(allow_sp=False), "sp=true is not allowed here (allowed: sp=false)"),
+    ("sp=true", dict(max_tp=1), "sp=true is not allowed here (allowed: sp=false, as tp <= 1 here"),
+    ("order=dp-tp-pp", dict(search_placement=False),
+     "order=dp-tp-pp is not allowed here (allowed: the default placement tp-dp-pp only)"),
+    ("mbs=4", dict(mbs=(1, 2)), "mbs=4 is not allowed here (allowed: mbs 1, 2)"),
+    ("dp=4", dict(dp=2), "dp=4 is not allowed here (allowed: dp=2)"),
+]
+
+
+@pytest.mark.parametrize("text,base,message", NARROW_ERRORS)
+def test_a_fixed_value_outside_the_runtime_is_one_line(text, base, message):
+    """Narrowing a runtime's constraints to a value it does not run names the key, the value and what is allowed."""
+    with pytest.raises(PlanError) as err:
+        parse_partial_plan(text).constraints(Constraints(**base))
+    assert message in str(err.value) and "\n" not in str(err.value)
+    assert str(err.value).startswith(f"plan {text!r}: ")
+
+
+def test_narrowing_keeps_the_runtime_limits():
+    """Fixed axes are added to what the base allows; nothing the base forbids comes back."""
+    base = Constraints(max_tp=1, max_pp=1, recompute=("none", "full"), allow_sp=False, search_placement=False,
+                       allow_offload=False)
+    narrowed = parse_partial_plan("dp=2,zero=1,mbs=4").constraints(base)
+    assert (narrowed.dp, narrowed.zero_stages, narrowed.mbs) == (2, (1,), (4,))
+    kept = (narrowed.max_tp, narrowed.max_pp, narrowed.allow_sp, narrowed.allow_offload, narrowed.search_placement)
+    assert kept == (1, 1, False, False, False)
+    assert narrowed.recompute == (Recompute.NONE, Recompute.FULL)
+    assert parse_partial_plan("").constraints(base) == base
+
+
+# --- truthful "nothing fits" --------------------------------------------------------------------------------------
+
+
+def test_require_offload_without_a_host_section_says_so():
+    """require_offload on a cluster without host memory blames the missing host: section, not divisibility."""
+    model = make_model(layers=4, hidden=512, heads=4, seq=512, gbs=12)
+    with pytest.raises(NoFeasiblePlanError) as err:
+        plan(model, make_cluster(nodes=1, devices_per_node=4, host=False), require_offload=True)
+    message = str(err.value)
+    assert "require_offload needs host memory" in message and "no host: section" in message
+    assert "(memory_gib, pcie_GBps)" in message and "drop require_offload" in message
+    assert "divide" not in message and "\n" not in message
+    with pytest.raises(NoFeasiblePlanError, match="offload=optimizer needs host memory.*leave offload to the planner"):
+        cons = PartialPlan(offload="optimizer").constraints(Constraints())
+        plan(model, make_cluster(nodes=1, devices_per_node=4, host=False), constraints=cons)
+
+
+def test_require_offload_with_only_zero_0_says_so():
+    model = make_model(layers=4, hidden=512, heads=4, seq=512, gbs=12)
+    with pytest.raises(NoFeasiblePlanError, match="require_offload needs ZeRO stage 1, 2 or 3.*zero_stages is 0"):
+        plan(model, make_cluster(nodes=1, devices_per_node=4), require_offload=True, zero_stages=(0,))
+
+
+@pytest.mark.parametrize("kind", ["no-host", "small-host", "roomy-host"])
+def test_nothing_fits_reports_the_plan_closest_to_fitting(kind):
+    """The plan named is the one missing the fewest bytes (device or host, whichever is worse) of an exhaustive
+    enumeration, with its own need; the remedies fit the case (host memory only when the host is short)."""
+    import dataclasses
+
+    from lightning_fleet.planning import HostSpec
+
+    model = make_model(layers=4, hidden=4096, heads=32, seq=2048, gbs=8)
+    cluster = make_cluster(nodes=1, devices_per_node=2, memory_gib=1, host=kind != "no-host")
+    if kind == "small-host":
+        cluster = dataclasses.replace(cluster, host=HostSpec(memory_gib=2, pcie_GBps=25))
+    every = brute_force(model, cluster)
+    assert not any(e.fits for e in every)
+    closest = min(e.memory.shortfall_bytes() for e in every)
+    with pytest.raises(NoFeasiblePlanError) as err:
+        plan(model, cluster)
+    message = str(err.value)
+    named = message.split("with the closest plan (")[1].split(")")[0]
+    e = estimate(model, cluster, parse_plan(named))
+    assert e.memory.shortfall_bytes() == closest
+    device_short = e.memory.total_bytes > e.memory.limit_bytes
+    assert (f"needs {e.memory.total_bytes / 1024**3:.2f} GiB memory per device" in message) == device_short
+    host_short = e.memory.host_bytes > e.memory.host_limit_bytes
+    assert (f"{e.memory.host_bytes / 1024**3:.2f} GiB host memory per device" in message) == host_short
+    assert ("add nodes or host memory" in message) == host_short
+    assert ("give the cluster a host: section" in message) == (kind == "no-host")
+
+
+NO_CANDIDATE = [
+    (dict(tp=3), "tp(3) does not divide world size 4"),
+    (dict(tp=2, pp=4), "tp(2) * pp(4) = 8 does not divide world size 4"),
+    (dict(dp=2, tp=1, pp=1), "dp(2) * tp(1) * pp(1) = 2 != world size 4"),
+    (dict(mbs=(5,)), "mbs 5 does not split the global batch size (12) / dp into mbs * gas"),
+    (dict(gas=5), "gas 5 does not split the global batch size (12) / dp"),
+    (dict(sp=True, allow_sp=False), "sp=true needs tp > 1 and allow_sp"),
+    (dict(vpp=3), "vpp=3 needs pp > 1 with pp * vpp dividing num_layers (4)"),
+    (dict(pp=2, zero_stages=(2, 3), max_zero_with_pp=1), "zero 2, 3 cannot run with pp > 1 here (at most zero=1)"),
+    (dict(pp=2, require_offload=True, offload_with_pp=False), "offload optimizer, optimizer+params cannot run with pp > 1 here"),
+    (dict(offloads=("optimizer+params",), zero_stages=(1, 2)), "offload optimizer+params needs zero 3, but zero is 1, 2 here"),
+]
+
+
+@pytest.mark.parametrize("fields,message", NO_CANDIDATE)
+def test_no_candidate_names_what_excluded_them(fields, message):
+    """When constraints leave no candidate at all, the error names the rule that did (not divisibility, unless it was)."""
+    model = make_model(layers=4, hidden=512, heads=4, seq=512, gbs=12)
+    with pytest.raises(NoFeasiblePlanError) as err:
+        plan(model, make_cluster(nodes=1, devices_per_node=4), **fields)
+    assert message in str(err.value) and "\n" not in str(err.value)
+    assert str(err.value).startswith(f"no plan for {model.name!r} on 4 devices: ")
+
+
+def test_limits_that_leave_no_layout_are_named_with_the_divisibility():
+    """Heads 4, batch 6, 8 devices, max_tp=1, max_pp=1: dp=8 does not divide 6 and the limits rule out the rest."""
+    model = make_model(layers=4, hidden=512, heads=4, seq=512, gbs=6)
+    with pytest.raises(NoFeasiblePlanError) as err:
+        plan(model, make_cluster(nodes=1, devices_per_node=8), max_tp=1, max_pp=1)
+    message = str(err.value)
+    assert "no layout dp x tp x pp = 8 is left" in message
+    assert "dp must divide the global batch size (6)" in message and "tp is limited to max_tp=1" in message
+    assert message.endswith("change those fixed values or limits, the device count or the global batch size")
+
+
+def test_misfit_reasons_name_the_host_too_when_both_are_short():
+    """A family short on the device and on the host says both (it used to name the device only)."""
+    from lightning_fleet.planning.search import explain_misfit
+
+    model = make_model(layers=4, hidden=4096, heads=32, seq=2048, gbs=8)
+    small_host = dataclasses.replace(make_cluster(nodes=1, devices_per_node=2, memory_gib=1), host=HostSpec(memory_gib=2, pcie_GBps=25))
+    both = estimate(model, small_host, parse_plan("dp=2,zero=1,offload=optimizer", global_batch_size=8)).memory
+    assert both.total_bytes > both.limit_bytes and both.host_bytes > both.host_limit_bytes
+    reason = explain_misfit(both)
+    assert reason.startswith("needs ") and "largest term" in reason and "; host memory: needs " in reason
+    host_only = dataclasses.replace(both, params_bytes=0.0, grads_bytes=0.0, optimizer_bytes=0.0, activations_bytes=0.0, other_bytes=0.0)
+    assert explain_misfit(host_only).startswith("host memory: needs ")
+
+
+def test_remedies_are_those_that_apply():
+    """Each remedy appears exactly when its constraint is what stands in the way (and never for the defaults)."""
+    model = make_model(layers=4, hidden=4096, heads=32, seq=2048, gbs=8)
+    roomy_host = make_cluster(nodes=1, devices_per_node=2, memory_gib=1)
+    narrow = dict(recompute=("none",), max_tp=1, mbs=(4,), dp=2, allow_offload=False, zero_stages=(0, 1))
+    with pytest.raises(NoFeasiblePlanError) as err:
+        plan(model, roomy_host, **narrow)
+    message = str(err.value)
+    for remedy in ("add devices or use devices with more memory", "allow offload", "allow zero=3", "allow recompute=full",
+                   "allow a smaller micro-batch size (mbs 4)", "allow larger tp / pp (max_tp=1)", "leave dp=2 to the planner"):
+        assert remedy in message, remedy
+    assert "host: section" not in message and "add nodes or host memory" not in message
+    with pytest.raises(NoFeasiblePlanError) as err:
+        plan(model, roomy_host)  # nothing narrowed: only more or larger devices can help
+    assert str(err.value).endswith(": add devices or use devices with more memory")
+
+
+@pytest.mark.parametrize(
+    "fields,message",
+    [
+        (dict(require_offload=True, offloads=("none",)), "constraints leave no ZeRO stage, recompute mode or offload mode"),
+        (dict(allow_offload=False, offloads=("optimizer",)), "constraints leave no ZeRO stage, recompute mode or offload mode"),
+        (dict(offloads=("disk",)), "constraint offloads: 'disk' is not one of none, optimizer, optimizer+params"),
+        (dict(tp=0), "constraint tp must be an integer >= 1, got 0"),
+        (dict(mbs=(0, 2)), "constraint mbs must be positive integers, got (0, 2)"),
+        (dict(order="dp-dp-pp"), "order must name dp, tp and pp once each"),
+        (dict(sp="yes"), "constraint sp must be True, False or None, got 'yes'"),
+    ],
+)
+def test_contradictory_or_malformed_constraints_are_one_line(fields, message):
+    with pytest.raises(PlanError) as err:
+        Constraints(**fields)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_constraints_normalise_their_sets():
+    """Sets are sorted lightest first (the search relies on it); the default placement is the module's own tuple."""
+    cons = Constraints(offloads=("optimizer+params", "none"), mbs=(4, 1, 4), order="tp-dp-pp")
+    assert cons.offloads == (Offload.NONE, Offload.OPTIMIZER_PARAMS) and cons.mbs == (1, 4) and cons.order is DEFAULT_ORDER
