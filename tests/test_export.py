@@ -1,0 +1,282 @@
+"""Tier 3: weights out of any plan, and the user's module handed back intact after fit.
+
+One 2-process job trains the example GPT under ZeRO 0, 1, 2, 3, ZeRO-3 with optimizer+parameter offload,
+tensor parallel (ZeRO 0 and 3) and pipeline parallel (ZeRO 0 and 1), and TiedGPT (tied head, buffers that
+training changes) under ZeRO-3 and tp; one 4-process job trains dp x tp and dp x pp. After each fit the
+worker (tests/workers/export_gpt.py) gathers the live full weights, saves, restores the module, checks it
+and saves again. Here: every export (FleetCheckpoint step dir, its directory, its state/ dir, the saves
+before and after the restore) equals the live weights bit for bit and the one-process reference within
+2e-5; the restored module is the plain original one and computes the reference's output; the exported file
+loads in a process that never imports lightning_fleet; broken input is one clear error line.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from examples.gpt.data import StdlibText
+from examples.gpt.model import GPT
+from lightning_fleet import cli
+from lightning_fleet.export import LAYOUT, export_checkpoint, export_state_dict
+from lightning_fleet.planning import FleetError
+from tests.multiprocess import ROOT, run, worker_env
+from tests.reference import reference_run
+from tests.workers.train_gpt import DATA, SIZES, eval_batch
+
+WORKER = ROOT / "tests" / "workers" / "export_gpt.py"
+STEPS, GBS = 3, 8
+# Order matters within one process: DeepSpeed keeps model-parallel state after a tp or pp engine, which breaks a
+# later data-parallel one ('NoneType' ... get_model_parallel_rank), so data parallel first, then tp, then pp.
+PLANS = [
+    "dp=2,zero=0",
+    "dp=2,zero=1",
+    "dp=2,zero=2",
+    "dp=2,zero=3",
+    "dp=2,zero=3,offload=optimizer+params",
+    "tied:dp=2,zero=3",
+    "dp=1,tp=2,zero=0",
+    "dp=1,tp=2,zero=3",
+    "tied:dp=1,tp=2,zero=1",
+    "dp=1,pp=2,zero=0",
+    "dp=1,pp=2,zero=1",
+]
+WIDE_PLANS = ["dp=2,tp=2,zero=3", "dp=2,pp=2,zero=1"]
+RUNS = [(2, i, p) for i, p in enumerate(PLANS)] + [(4, i, p) for i, p in enumerate(WIDE_PLANS)]
+RUN_IDS = [f"{world}x-{plan}" for world, _, plan in RUNS]
+GPT_RUNS = [pytest.param(*r, id=i) for r, i in zip(RUNS, RUN_IDS) if not r[2].startswith("tied:")]
+
+
+def _launch(tmp: Path, plans: list[str], devices: int) -> list[dict]:
+    out = tmp / "results.pt"
+    cmd = [sys.executable, str(WORKER), "--plans", ";".join(plans), "--steps", str(STEPS), "--gbs", str(GBS)]
+    cmd += ["--devices", str(devices), "--save-to", str(tmp / "saves"), "--out", str(out)]
+    if devices != 2:
+        cluster = (ROOT / "lightning_fleet/planning/presets/clusters/cpu.yaml").read_text()
+        (tmp / "cluster.yaml").write_text(cluster.replace("devices_per_node: 2", f"devices_per_node: {devices}"))
+        cmd += ["--cluster", str(tmp / "cluster.yaml")]
+    done = run(cmd, worker_env(tmp), timeout=300)
+    assert done.returncode == 0, done.stdout[-6000:]
+    return torch.load(out, weights_only=False)  # our own worker's file: plain tensors, lists, dicts
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory) -> dict[int, tuple[Path, list[dict]]]:
+    """World size -> (save directory, per-plan results)."""
+    narrow, wide = tmp_path_factory.mktemp("narrow"), tmp_path_factory.mktemp("wide")
+    return {2: (narrow / "saves", _launch(narrow, PLANS, 2)), 4: (wide / "saves", _launch(wide, WIDE_PLANS, 4))}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Weights and logits of the one-process reference run of the example GPT."""
+    _, state = reference_run(STEPS, GBS)
+    model = GPT(**SIZES)
+    model.load_state_dict(state)
+    x, _ = eval_batch(StdlibText(**DATA))
+    with torch.no_grad():
+        return state, model(x)
+
+
+def _run(jobs, world: int, index: int) -> tuple[Path, dict]:
+    saves, results = jobs[world]
+    return saves / str(index), results[index]
+
+
+def _sources(where: Path) -> dict[str, Path]:
+    step = sorted((where / "fleet").glob("step-*"))[-1]
+    return {
+        "step dir": step,
+        "its state dir": step / "state",
+        "FleetCheckpoint dir": where / "fleet",
+        "save before restore": where / "before",
+        "save after restore": where / "after",
+    }
+
+
+@pytest.mark.parametrize(("world", "index", "plan"), RUNS, ids=RUN_IDS)
+def test_export_equals_live_weights(jobs, world, index, plan):
+    """Every way to point at the checkpoint gives the live full weights at that step, bit for bit, in the original
+    module's key order, fp32."""
+    where, result = _run(jobs, world, index)
+    live = result["live"]
+    assert [k for k, _, _ in result["recorded"]] == list(live)
+    assert result["global_step"] == STEPS or "pp=2" in plan  # (the pipeline path counts its steps elsewhere)
+    for name, source in _sources(where).items():
+        exported = export_state_dict(source)
+        assert list(exported) == list(live), name
+        for key, tensor in live.items():
+            assert exported[key].dtype == (torch.float32 if tensor.is_floating_point() else tensor.dtype)
+            assert torch.equal(exported[key], tensor), f"{plan}, {name}: {key}"
+
+
+@pytest.mark.parametrize(("world", "index", "plan"), GPT_RUNS)
+def test_export_matches_single_process_reference(jobs, reference, world, index, plan):
+    """The exported weights are the one-process reference's after the same steps (only summation order differs)."""
+    where, _ = _run(jobs, world, index)
+    exported = export_state_dict(_sources(where)["step dir"])
+    for key, tensor in reference[0].items():
+        torch.testing.assert_close(exported[key], tensor, atol=2e-5, rtol=0, msg=f"{plan}: {key}")
+
+
+@pytest.mark.parametrize(("world", "index", "plan"), RUNS, ids=RUN_IDS)
+def test_restored_module_is_the_plain_original_with_trained_weights(jobs, reference, world, index, plan):
+    """After restore_module: original module types, keys, shapes and dtypes; no DeepSpeed attribute, hook or
+    parameter subclass; the user's own hook kept and working; the same weights on every rank; the reference output."""
+    _, result = _run(jobs, world, index)
+    assert result["keys"] == result["recorded"]
+    assert set(result["module_packages"]) <= {"examples", "tests", "torch"}  # no deepspeed.* module left in the tree
+    assert result["ds_attributes"] == [] and result["tensor_attributes"] == []
+    assert result["param_types"] == ["Parameter"]
+    assert result["hooks"] == 1 and result["user_hook_ran"]
+    assert result["ranks_max_diff"] == 0.0 and result["state_ranks_max_diff"] == 0.0
+    for key, tensor in result["live"].items():
+        assert torch.equal(result["state"][key].float(), tensor), key
+    if result["model"] == "TiedGPT":
+        assert result["tied"] and int(result["state"]["forwards"]) > 0
+    else:
+        torch.testing.assert_close(result["logits"], reference[1], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize(("world", "index", "plan"), RUNS, ids=RUN_IDS)
+def test_save_after_restore_writes_the_same_checkpoint(jobs, world, index, plan):
+    """The engine keeps a mirror of the tree it trained: saving after the restore writes the same files and tensors
+    (optimizer states included), so a resume from it continues exactly."""
+    where, _ = _run(jobs, world, index)
+    before, after = where / "before" / "checkpoint", where / "after" / "checkpoint"
+    names = sorted(p.name for p in before.iterdir())
+    assert names == sorted(p.name for p in after.iterdir())
+    for name in names:
+        a, b = _tensors(torch.load(before / name, weights_only=False)), _tensors(torch.load(after / name, weights_only=False))
+        assert a.keys() == b.keys(), name
+        for key in a:
+            assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), f"{name}: {key}"
+
+
+def _tensors(obj, prefix: str = "") -> dict[str, torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return {prefix: obj}
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else []
+    return {k: v for key, value in items for k, v in _tensors(value, f"{prefix}/{key}").items()}
+
+
+EXPORTED_KEYS = (
+    "state_dict",
+    "hyper_parameters",
+    "hparams_name",
+    "pytorch-lightning_version",
+    "epoch",
+    "global_step",
+    "lightning_fleet",
+)
+CHILD = """
+import json, sys, torch
+from examples.gpt.model import GPT
+from tests.workers.tied_gpt import TiedGPT
+x = torch.load(sys.argv[1], weights_only=True)
+report = {}
+for name, path in json.loads(sys.argv[2]).items():
+    plain = torch.load(path, weights_only=True)
+    model = (TiedGPT if "tied:" in name else GPT).load_from_checkpoint(path)
+    state = model.state_dict()
+    same = list(state) == list(plain["state_dict"]) and all(torch.equal(state[k], plain["state_dict"][k]) for k in state)
+    with torch.no_grad():
+        logits = model.eval()(x)
+    torch.save(logits, path + ".logits")
+    report[name] = {"same": same, "hparams": dict(model.hparams), "keys": sorted(plain), "plan": plain["lightning_fleet"]["plan"]}
+report["imported lightning_fleet"] = any(m == "lightning_fleet" or m.startswith("lightning_fleet.") for m in sys.modules)
+print(json.dumps(report))
+"""
+
+
+def test_exported_file_loads_without_lightning_fleet(jobs, tmp_path):
+    """export_checkpoint -> one file: MyModule.load_from_checkpoint and torch.load(weights_only=True) read it in a
+    fresh process that never imports lightning_fleet, and the model computes what the restored module computed."""
+    files = {}
+    for world, index, plan in RUNS:
+        where, _ = _run(jobs, world, index)
+        files[f"{world}x-{plan}"] = str(export_checkpoint(_sources(where)["step dir"], tmp_path / f"{world}-{index}.ckpt"))
+    x, _ = eval_batch(StdlibText(**DATA))
+    torch.save(x, tmp_path / "x.pt")
+    done = run([sys.executable, "-c", CHILD, str(tmp_path / "x.pt"), json.dumps(files)], worker_env(tmp_path), timeout=120)
+    assert done.returncode == 0, done.stdout[-4000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report.pop("imported lightning_fleet") is False
+    for (world, index, plan), name in zip(RUNS, RUN_IDS):
+        entry, (_, result) = report[name], _run(jobs, world, index)
+        assert entry["same"] and entry["hparams"]["hidden_size"] == SIZES["hidden_size"]
+        assert entry["keys"] == sorted(EXPORTED_KEYS)
+        assert entry["plan"] == result["plan"]
+        logits = torch.load(files[name] + ".logits", weights_only=True)
+        torch.testing.assert_close(logits, result["logits"], atol=1e-6, rtol=0)
+
+
+# --- broken input: one clear line -------------------------------------------------------------------
+
+
+def _copy(jobs, tmp_path: Path, source: str, index: int = PLANS.index("dp=1,tp=2,zero=3")) -> Path:
+    target = tmp_path / source.replace(" ", "-")
+    shutil.copytree(_sources(_run(jobs, 2, index)[0])[source], target)
+    return target
+
+
+def test_tampered_and_partial_checkpoints_are_one_clear_error(jobs, tmp_path):
+    """A flipped byte in a FleetCheckpoint step (manifest mismatch), a shard missing or truncated in a plain save, a
+    DeepSpeed save without a layout, a layout of an unknown format: each is a FleetError naming what is wrong."""
+    step = _copy(jobs, tmp_path, "step dir")
+    shard = next((step / "state" / "checkpoint").glob("*optim_states.pt"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(FleetError, match=r"cannot be exported: file state/checkpoint/\S*optim_states.pt does not match its sha"):
+        export_state_dict(step)
+
+    missing = _copy(jobs, tmp_path, "save after restore")
+    next((missing / "checkpoint").glob("zero_pp_rank_0_mp_rank_01_optim_states.pt")).unlink()
+    with pytest.raises(FleetError, match=r"checkpoint is incomplete: .*zero_pp_rank_0_mp_rank_01_optim_states.pt is missing"):
+        export_state_dict(missing)
+
+    truncated = _copy(jobs, tmp_path, "save before restore")
+    model_states = truncated / "checkpoint" / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    model_states.write_bytes(model_states.read_bytes()[:100])
+    with pytest.raises(FleetError, match=r"cannot read .*model_states.pt .*truncated, corrupted or not a checkpoint file"):
+        export_state_dict(truncated)
+
+    bare = _copy(jobs, tmp_path, "its state dir")
+    (bare / LAYOUT).unlink()
+    with pytest.raises(FleetError, match=r"DeepSpeed checkpoint without fleet_layout.json"):
+        export_state_dict(bare)
+
+
+def test_fleet_export_command(jobs, tmp_path, capsys):
+    """`fleet export CHECKPOINT --out FILE` writes the file and says so in one line; bad input is one
+    `fleet: error: ...` line and exit code 2."""
+    source = _sources(_run(jobs, 2, PLANS.index("dp=1,pp=2,zero=1"))[0])["FleetCheckpoint dir"]
+    assert cli.main(["export", str(source), "--out", str(tmp_path / "out" / "gpt.ckpt")]) == 0
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert len(printed) == 1 and printed[0].startswith(f"{tmp_path / 'out' / 'gpt.ckpt'}: 37 tensors")
+    assert torch.load(tmp_path / "out" / "gpt.ckpt", weights_only=True)["state_dict"].keys() == GPT(**SIZES).state_dict().keys()
+
+    odd = _copy(jobs, tmp_path, "save before restore")
+    layout = json.loads((odd / LAYOUT).read_text())
+    (odd / LAYOUT).write_text(json.dumps({**layout, "format": "lightning_fleet.layout/99"}))
+    step = _copy(jobs, tmp_path, "step dir")
+    (step / "state" / LAYOUT).write_text((step / "state" / LAYOUT).read_text().replace('"tp": 2', '"tp": 1'))
+    (tmp_path / "empty").mkdir()
+    bad = {
+        str(tmp_path / "nowhere"): "does not exist",
+        str(tmp_path / "empty"): "is not a checkpoint",
+        str(odd): "has layout format 'lightning_fleet.layout/99'",
+        str(step): f"file state/{LAYOUT} does not match its sha256",
+        str(odd / "checkpoint"): "holds DeepSpeed's files of one tag; give the checkpoint directory above it",
+    }
+    for checkpoint, reason in bad.items():
+        assert cli.main(["export", checkpoint, "--out", str(tmp_path / "never.ckpt")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("fleet: error: ") and reason in err[0], (checkpoint, err)
+    assert not (tmp_path / "never.ckpt").exists()

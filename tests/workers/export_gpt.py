@@ -1,0 +1,148 @@
+"""Worker for tests/test_export.py: train the example GPT under several plans and check what comes out.
+
+One Trainer.fit per plan (same processes). After each fit, every rank: gathers the live full weights
+(export.full_state_dict), saves ``trainer.save_checkpoint(DIR/<index>/before)``, hands the module back
+(export.restore_module), checks it is the plain original module (types, keys, dtypes, no DeepSpeed
+attributes or hooks, the user's own hook kept, same weights on every rank), runs it on a fixed batch,
+and saves again (``DIR/<index>/after``, written by the engine's mirror of the tree). A FleetCheckpoint
+step directory is written under ``DIR/<index>/fleet`` at the last step. Rank 0 writes the results to --out.
+
+    python tests/workers/export_gpt.py --plans "dp=2,zero=3;tied:dp=1,tp=2,zero=0" --save-to /tmp/x --out /tmp/r.pt
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from lightning.pytorch import Trainer, seed_everything  # noqa: E402
+
+from examples.gpt.data import StdlibText  # noqa: E402
+from examples.gpt.model import GPT  # noqa: E402
+from lightning_fleet.export import full_state_dict, record_module, restore_module  # noqa: E402
+from lightning_fleet.strategy import FleetStrategy  # noqa: E402
+from tests.workers.tied_gpt import TiedGPT  # noqa: E402
+from tests.workers.train_gpt import DATA, SIZES, eval_batch  # noqa: E402
+
+
+class RecordingStrategy(FleetStrategy):
+    """FleetStrategy that records the module before deepspeed.initialize (what the strategy itself does once wired)."""
+
+    def _setup_model_and_optimizer(self, model, optimizer, lr_scheduler=None):  # type: ignore[no-untyped-def]
+        self._module_record = record_module(self.lightning_module)
+        self.export_record = self._module_record
+        return super()._setup_model_and_optimizer(model, optimizer, lr_scheduler)
+
+
+def module_report(model: GPT, record, hook_calls: list[int]) -> dict:  # type: ignore[no-untyped-def]
+    """What the restored module looks like: plain types, the original keys/shapes/dtypes, nothing of DeepSpeed."""
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    types = sorted({type(m).__module__.split(".")[0] for m in model.modules()})
+    ds_attributes = sorted(
+        f"{path}.{name}" for path, m in model.named_modules() for name, value in vars(m).items() if _from_deepspeed(name, value)
+    )
+    # a plain Parameter or buffer has no attributes; DeepSpeed's carry ds_*, _hp_mapping, ...
+    tensor_attributes = sorted(f"{k}.{a}" for k, t in model.state_dict(keep_vars=True).items() for a in vars(t))
+    hooks = sum(len(getattr(m, attr)) for m in model.modules() for attr in HOOK_DICTS)
+    before = hook_calls[0]
+    x, _ = eval_batch(StdlibText(**DATA))
+    was_training = model.training
+    with torch.no_grad():
+        logits = model.eval()(x)
+    model.train(was_training)
+    return {
+        "keys": [(k, tuple(v.shape), str(v.dtype)) for k, v in state.items()],
+        "recorded": [(i.key, i.shape, f"torch.{i.dtype}") for i in record.tensors],
+        "module_packages": types,
+        "ds_attributes": ds_attributes,
+        "tensor_attributes": tensor_attributes,
+        "param_types": sorted({type(p).__name__ for p in model.parameters()}),
+        "hooks": hooks,
+        "user_hook_ran": hook_calls[0] > before,
+        "logits": logits,
+        "state": state,
+        "ranks_max_diff": ranks_max_diff(logits),
+        "state_ranks_max_diff": ranks_max_diff(torch.cat([v.detach().float().flatten() for v in state.values()])),
+        "tied": isinstance(model, TiedGPT) and model.head.weight is model.tok.weight,
+    }
+
+
+HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks")
+
+
+def _from_deepspeed(name: str, value: object) -> bool:
+    """An attribute DeepSpeed set: a ds_* name, or a value of a DeepSpeed type (a bound method of one included)."""
+    owner = getattr(value, "__self__", value)
+    return name.startswith(("ds_", "_ds_")) or type(owner).__module__.startswith("deepspeed") or name == "_original_parameters"
+
+
+def ranks_max_diff(tensor: torch.Tensor) -> float:
+    """Largest difference between this tensor and rank 0's, over all ranks."""
+    reference = tensor.detach().clone()
+    dist.broadcast(reference, src=0)
+    diff = (tensor.detach() - reference).abs().max().reshape(1)
+    dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+    return float(diff)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--plans", required=True, help="';'-separated plans; 'tied:PLAN' trains TiedGPT (tied head, buffers)")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--gbs", type=int, default=8)
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--cluster", default="cpu", help="cluster preset or YAML matching --devices")
+    parser.add_argument("--precision", default="32-true")
+    parser.add_argument("--save-to", required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    results = []
+    for index, entry in enumerate(args.plans.split(";")):
+        kind, _, plan = entry.rpartition(":")
+        seed_everything(0)
+        model = (TiedGPT if kind == "tied" else GPT)(**SIZES)
+        hook_calls = [0]
+        model.blocks[0].mlp.register_forward_hook(lambda *_: hook_calls.__setitem__(0, hook_calls[0] + 1))
+        dm = StdlibText(**DATA)
+        where = Path(args.save_to) / str(index)
+        strategy = RecordingStrategy(
+            plan=plan,
+            global_batch_size=args.gbs,
+            cluster=args.cluster,
+            checkpoint_dir=where / "fleet",
+            checkpoint_every_n_steps=args.steps,
+        )
+        trainer = Trainer(
+            accelerator="cpu",
+            devices=args.devices,
+            strategy=strategy,
+            max_steps=args.steps,
+            precision=args.precision,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=0,
+            num_sanity_val_steps=0,
+        )
+        trainer.fit(model, dm)
+        live = full_state_dict(strategy, strategy.export_record)
+        trainer.save_checkpoint(where / "before")
+        restore_module(strategy, strategy.export_record)
+        restore_module(strategy, strategy.export_record)  # a second call changes nothing
+        report = module_report(model, strategy.export_record, hook_calls)
+        trainer.save_checkpoint(where / "after")
+        facts = {"plan": str(strategy.plan), "model": type(model).__name__, "global_step": trainer.global_step, "live": live}
+        results.append(facts | report)
+    if dist.get_rank() == 0:
+        torch.save(results, args.out)
+
+
+if __name__ == "__main__":
+    main()
