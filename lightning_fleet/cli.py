@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from typing import Sequence
 
@@ -23,12 +24,16 @@ from lightning_fleet.planning import (
     load_cluster,
     load_model,
     model_presets,
+    parse_partial_plan,
     parse_plan,
     plan,
 )
 from lightning_fleet.planning.cluster import GIB
+from lightning_fleet.planning.search import explain_misfit
 
 EXIT_USAGE = 2
+EXIT_PIPE = 128 + 13
+"""The status a shell reports for coreutils killed by SIGPIPE (13) when the reader of their output exits (``| head``)."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -62,7 +67,16 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--no-framework", action="store_true", help="skip the Lightning + DeepSpeed framework probe")
     cal.add_argument("--timeout", type=float, default=900, help="seconds before the measurement is abandoned (default 900)")
 
-    run = sub.add_parser("launch", help="torchrun with fast, safe elastic defaults (takes torchrun's arguments)", add_help=False)
+    exp = sub.add_parser("export", help="write a checkpoint of any plan as one plain Lightning checkpoint (full fp32 weights)")
+    exp.add_argument(
+        "checkpoint",
+        help="a FleetCheckpoint step-N dir (or the dir holding them: the newest verified), its state/ dir, "
+        "or a trainer.save_checkpoint dir",
+    )
+    exp.add_argument("--out", required=True, help="file to write (load_from_checkpoint and torch.load(weights_only=True) read it)")
+
+    run = sub.add_parser("launch", help="torchrun with fast, safe elastic defaults (takes torchrun's arguments; see fleet launch --help)",
+                         add_help=False)
     run.add_argument("torchrun_args", nargs=argparse.REMAINDER)
 
     pln = sub.add_parser("plan", help="rank every plan and explain the choice")
@@ -75,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     pln.add_argument("--max-vpp", type=int, help="largest number of virtual pipeline stages (1: no interleaving)")
     pln.add_argument("--no-offload", action="store_true", help="never offload to host memory")
     pln.add_argument("--no-sp", action="store_true", help="never use sequence parallelism")
+    pln.add_argument("--fix", default="", metavar="KEYS", help='axes to fix, e.g. "zero=1,mbs=4"; the planner chooses the rest')
     return parser
 
 
@@ -97,14 +112,17 @@ def _constraints(args: argparse.Namespace) -> Constraints:
         zero = tuple(int(z) for z in args.zero_stages.split(",") if z.strip())
     except ValueError:
         raise FleetError(f"--zero-stages must be comma-separated integers, got {args.zero_stages!r}") from None
-    return Constraints(
+    for flag in ("max_tp", "max_pp", "max_vpp"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            raise FleetError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    return parse_partial_plan(args.fix).constraints(Constraints(
         zero_stages=zero,
         max_tp=args.max_tp,
         max_pp=args.max_pp,
         max_vpp=args.max_vpp,
         allow_offload=not args.no_offload,
         allow_sp=not args.no_sp,
-    )
+    ))
 
 
 def _gib(nbytes: float) -> str:
@@ -112,10 +130,16 @@ def _gib(nbytes: float) -> str:
 
 
 def _console():
-    """A rich console; 160 columns when stdout is not a terminal, so plan strings are never cut."""
+    """A rich console; 160 columns when stdout is not a terminal, so plan strings are never cut. A reader that went
+    away raises BrokenPipeError to :func:`main` (rich would exit with status 1 on its own)."""
     from rich.console import Console
 
-    return Console(width=None if sys.stdout.isatty() else 160)
+    class _Console(Console):
+        def on_broken_pipe(self) -> None:
+            self.quiet = True
+            raise BrokenPipeError
+
+    return _Console(width=None if sys.stdout.isatty() else 160)
 
 
 def _print_estimate(e: Estimate, cluster: ClusterSpec) -> None:
@@ -134,7 +158,7 @@ def _print_estimate(e: Estimate, cluster: ClusterSpec) -> None:
         tim.add_row(name, f"{value:.4g}")
     tim.add_row("[bold]step[/]", f"[bold]{e.time.step_s:.4g}[/]")
     console.print(mem, tim)
-    verdict = "[green]fits[/]" if e.fits else "[red]does not fit[/]"
+    verdict = "[green]fits[/]" if e.fits else f"[red]does not fit[/]: {explain_misfit(e.memory)}"
     console.print(
         f"{verdict}; {e.samples_per_s:.4g} samples/s, {e.model_tflops_per_device:.1f} model TFLOP/s per device "
         f"({e.hardware_tflops_per_device:.1f} hardware)"
@@ -181,16 +205,32 @@ def _calibrate(args: argparse.Namespace) -> int:
         raise FleetError(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}")
     module = ["-m", "lightning_fleet.calibrate", "--out", args.out] + (["--device", args.device] if args.device else [])
     module += ["--no-framework"] if args.no_framework else []
-    launcher = [sys.executable]
+    launcher, env = [sys.executable], dict(os.environ)
     if args.nproc_per_node > 1:
         launcher += ["-m", "torch.distributed.run", f"--nproc-per-node={args.nproc_per_node}", "--rdzv-backend=c10d",
                      "--rdzv-endpoint=127.0.0.1:0", "--nnodes=1"]
+        env.setdefault("OMP_NUM_THREADS", "1")  # what torchrun sets for several processes, without its 4-line notice
     try:
-        done = subprocess.run(launcher + module, timeout=args.timeout)
+        done = subprocess.run(launcher + module, timeout=args.timeout, env=env)
     except subprocess.TimeoutExpired:
         raise FleetError(f"calibration did not finish within {args.timeout:.0f} s; rerun with a larger --timeout") from None
     if done.returncode != 0:
-        raise FleetError(f"calibration failed (exit {done.returncode}); its output is above")
+        raise FleetError(f"calibration failed (exit {done.returncode}); the measurement's last messages are above")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    """``fleet export CHECKPOINT --out FILE``: one line saying what was written."""
+    from lightning_fleet import noise
+    from lightning_fleet.export import export_checkpoint
+
+    noise.install()  # DeepSpeed's accelerator-detection warning on import
+    out = export_checkpoint(args.checkpoint, args.out)
+    import torch
+
+    payload = torch.load(out, map_location="cpu", weights_only=True)
+    params = sum(t.numel() for t in payload["state_dict"].values())
+    print(f"{out}: {len(payload['state_dict'])} tensors, {params / 1e6:.3f} M values, plan {payload['lightning_fleet']['plan']}")
     return 0
 
 
@@ -203,6 +243,8 @@ def _run(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "calibrate":
         return _calibrate(args)
+    if args.command == "export":
+        return _export(args)
     model, cluster = _load(args)
     if args.command == "estimate":
         result = estimate(model, cluster, parse_plan(args.plan, global_batch_size=model.global_batch_size))
@@ -230,10 +272,26 @@ def _run(argv: Sequence[str] | None) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``fleet`` console script; returns the exit code."""
     try:
-        return _run(argv)
+        code = _run(argv)
+        sys.stdout.flush()  # a reader that went away (``| head``) shows here, not at interpreter exit
+        return code
     except FleetError as err:
         print(f"fleet: error: {err}", file=sys.stderr)
         return EXIT_USAGE
+    except BrokenPipeError:
+        _discard_stdout()
+        return EXIT_PIPE
+
+
+def _discard_stdout() -> None:
+    """Point stdout at /dev/null, so that flushing it again at exit raises nothing (the reader of the pipe has gone)."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # not a file (captured output)
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
 
 
 if __name__ == "__main__":

@@ -63,3 +63,30 @@ def run_worker(tmp: Path, *args: str, torchrun: bool = False, timeout: float = 6
     import torch
 
     return torch.load(out, weights_only=False), done.stdout  # our own file, written by our worker
+
+
+def kill_family(proc) -> None:  # type: ignore[no-untyped-def]
+    """SIGKILL a launcher (a psutil.Popen) and its descendants by PID (torchrun starts each worker in a session of its
+    own: killing the launcher's process group would orphan them)."""
+    import psutil
+
+    try:
+        family = [*proc.children(recursive=True), proc]
+    except psutil.NoSuchProcess:
+        return
+    for member in family:
+        try:
+            member.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def finish(proc, timeout: float = 300) -> int:  # type: ignore[no-untyped-def]
+    """The launcher's exit code; past ``timeout`` kill it with its workers and fail."""
+    import psutil
+
+    try:
+        return proc.wait(timeout)
+    except psutil.TimeoutExpired:
+        kill_family(proc)
+        raise AssertionError(f"launcher did not finish in {timeout} s") from None

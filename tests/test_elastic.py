@@ -23,7 +23,7 @@ import torch
 
 from lightning_fleet.elastic.checkpoint import LATEST, MANIFEST, build_manifest, newest_verified, refuse_unsafe_pickles, verify
 from lightning_fleet.planning import FleetError
-from tests.multiprocess import ROOT, free_port, worker_env
+from tests.multiprocess import ROOT, finish, free_port, worker_env
 from tests.reference import reference_run
 
 WORKER = ROOT / "tests" / "workers" / "elastic_gpt.py"
@@ -37,15 +37,6 @@ def launch(tmp: Path, *worker_args: str, restarts: int = 1, nproc: int = 2, nnod
     cmd = [*FLEET, f"--nnodes={nnodes}", f"--nproc-per-node={nproc}", f"--max-restarts={restarts}",
            f"--rdzv-endpoint=127.0.0.1:{port or free_port()}", "--rdzv-backend=c10d", str(WORKER), "--dir", str(tmp), *worker_args]
     return psutil.Popen(cmd, env=worker_env(tmp), cwd=ROOT, stdout=log, stderr=log, start_new_session=True)
-
-
-def finish(proc: psutil.Popen, timeout: float = 300) -> int:
-    """Wait for the launcher; on timeout kill its whole process group (only ours) and fail."""
-    try:
-        return proc.wait(timeout)
-    except psutil.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise AssertionError(f"launcher did not finish in {timeout} s") from None
 
 
 def steps_done(tmp: Path, rank: int = 0) -> int:

@@ -8,7 +8,13 @@ adds, unless given:
 * ``--rdzv-backend=c10d`` for multi-node / elastic launches;
 * ``--rdzv-conf last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3,join_timeout=120`` (a dead agent
   is noticed in ~3-6 s; fewer than 3 attempts produced a split brain here, so it is refused);
-* ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in the agents' environment (scale-up works).
+* ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` in the agents' environment (scale-up works; a restart of a fixed-size
+  job works either way: the worker opens its process group on a store prefix of its own attempt, see
+  :mod:`lightning_fleet.elastic.worker`).
+
+Bad values are one line and exit code 2 (torchrun's own parser decides what is valid); ``fleet launch --help``
+prints these defaults and torchrun's help. A worker that ends the job for a deterministic FleetError (its line
+printed by rank 0) stops the agent; ``fleet launch`` then exits 2 without a line of its own.
 
 A wrong endpoint is one line and a bounded wait, never a hang (measured with torchrun alone: an
 unroutable host took 158 s and printed C++ stack traces; a port that accepts connections but is
@@ -21,10 +27,13 @@ from __future__ import annotations
 
 import os
 import socket
+import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import Sequence
 
+from lightning_fleet.elastic.worker import EXIT_CODE, STOP_FILE_ENV
 from lightning_fleet.planning import FleetError
 
 RDZV_DEFAULTS = {"last_call_timeout": "1", "keep_alive_interval": "1", "keep_alive_max_attempt": "3", "join_timeout": "120"}
@@ -33,7 +42,9 @@ TORCHRUN_READ_TIMEOUT_S = 60
 MIN_KEEP_ALIVE_ATTEMPTS = 3
 
 
-_FLAGS = {"--standalone", "--no-python", "--no_python", "--run-path", "--run_path", "-m", "--module"}
+_FLAGS = {"--standalone", "--no-python", "--no_python", "--run-path", "--run_path", "-m", "--module", "-h", "--help"}
+_NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")
+_NO_SCRIPT = "fleet launch needs a training script, e.g. fleet launch --nproc-per-node=2 train.py"
 
 
 def _parse_options(argv: list[str]) -> tuple[list[tuple[int, str, str, int]], int]:
@@ -62,10 +73,10 @@ def torchrun_argv(argv: Sequence[str]) -> list[str]:
     parsed, cut = _parse_options(argv)
     options, script = argv[:cut], argv[cut:]
     if not script:
-        raise FleetError("fleet launch needs a training script, e.g. fleet launch --nproc-per-node=2 train.py")
+        raise FleetError(_NO_SCRIPT)
     conf = _option(parsed, "rdzv-conf")
     given = _rdzv_conf(parsed)
-    attempts = int(given.get("keep_alive_max_attempt", MIN_KEEP_ALIVE_ATTEMPTS))
+    attempts = _integer("--rdzv-conf keep_alive_max_attempt", given.get("keep_alive_max_attempt", str(MIN_KEEP_ALIVE_ATTEMPTS)))
     if attempts < MIN_KEEP_ALIVE_ATTEMPTS:
         raise FleetError(
             f"--rdzv-conf keep_alive_max_attempt={attempts}: fewer than {MIN_KEEP_ALIVE_ATTEMPTS} lets two halves of a job "
@@ -104,7 +115,60 @@ def _rdzv_conf(parsed: list[tuple[int, str, str, int]]) -> dict[str, str]:
 
 
 def _rdzv_seconds(argv: Sequence[str], key: str, default: int) -> int:
-    return int(_rdzv_conf(_parse_options(list(argv))[0]).get(key, default))
+    return _integer(f"--rdzv-conf {key}", _rdzv_conf(_parse_options(list(argv))[0]).get(key, str(default)))
+
+
+def _integer(name: str, text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise FleetError(f"{name}={text!r}: expected an integer") from None
+
+
+def check_arguments(argv: Sequence[str]) -> None:
+    """Refuse what torchrun would refuse (its own parser decides), and the node and process counts it would only
+    reject after starting, each as one FleetError line."""
+    from torch.distributed.run import get_args_parser
+
+    parser = get_args_parser()
+
+    def refuse(message: str) -> None:
+        if "training_script" in message:  # argparse's "the following arguments are required: training_script, ..."
+            raise FleetError(_NO_SCRIPT)
+        raise FleetError(f"fleet launch: {message}")
+
+    parser.error = refuse  # type: ignore[method-assign]
+    args = parser.parse_args(list(argv))
+    low, _, high = args.nnodes.partition(":")
+    if not low.isdigit() or (high and not high.isdigit()) or args.nnodes.count(":") > 1:
+        raise FleetError(f"fleet launch: --nnodes={args.nnodes}: expected N or MIN:MAX (integers)")
+    if not (args.nproc_per_node.isdigit() or args.nproc_per_node in _NPROC_WORDS):
+        words = ", ".join(_NPROC_WORDS)
+        raise FleetError(f"fleet launch: --nproc-per-node={args.nproc_per_node}: expected an integer or one of {words}")
+
+
+def help_text() -> str:
+    """``fleet launch --help``: what fleet adds to torchrun, then torchrun's own help."""
+    from torch.distributed.run import get_args_parser
+
+    parser = get_args_parser()
+    parser.prog = "fleet launch"
+    conf = ",".join(f"{k}={v}" for k, v in RDZV_DEFAULTS.items())
+    return (
+        "fleet launch: torchrun with fast, safe elastic defaults. It takes torchrun's arguments and adds, unless given:\n"
+        f"  --rdzv-conf {conf}\n"
+        "      (keys you give win; keep_alive_max_attempt below 3 is refused: it split one job into two worlds here)\n"
+        "  --rdzv-backend=c10d   when --rdzv-endpoint or --nnodes=MIN:MAX is given\n"
+        "  TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in the agents' environment (a joining agent deadlocks on the shared store)\n"
+        "A wrong --rdzv-endpoint fails in one line within read_timeout (or join_timeout + read_timeout) instead of hanging.\n"
+        "A deterministic FleetError in the workers ends the job at once (no restarts spent) with exit code 2.\n\n"
+        + parser.format_help()
+    )
+
+
+def _wants_help(argv: Sequence[str]) -> bool:
+    parsed, _ = _parse_options(list(argv))
+    return any(key in ("-h", "--help") for _, key, _, _ in parsed)
 
 
 def check_endpoint(argv: Sequence[str]) -> None:
@@ -171,11 +235,26 @@ def _watch_first_rendezvous(argv: Sequence[str]) -> None:
 
 
 def launch(argv: Sequence[str]) -> int:
-    """Run torch.distributed.run with the fleet defaults; returns its exit code."""
-    check_endpoint(argv)
+    """Run torch.distributed.run with the fleet defaults; returns its exit code (2 when a worker ended the job for a
+    deterministic FleetError, whose line rank 0 printed)."""
+    if _wants_help(argv):
+        print(help_text(), end="")
+        return 0
+    check_arguments(argv)
     args = torchrun_argv(argv)
+    check_endpoint(argv)
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     _watch_first_rendezvous(args)
+    with tempfile.TemporaryDirectory(prefix="fleet-launch-") as tmp:
+        stop_file = Path(tmp) / "stopped"
+        os.environ[STOP_FILE_ENV] = str(stop_file)  # inherited by the workers (see worker.end_job)
+        try:
+            return _run_torchrun(args, stop_file)
+        finally:
+            os.environ.pop(STOP_FILE_ENV, None)
+
+
+def _run_torchrun(args: list[str], stop_file: Path) -> int:
     from torch.distributed.run import main as torchrun_main
 
     try:
@@ -183,6 +262,8 @@ def launch(argv: Sequence[str]) -> int:
     except SystemExit as stop:
         return int(stop.code or 0)
     except Exception as err:  # torchrun's ChildFailedError and rendezvous errors: report, don't dump a traceback
+        if stop_file.exists():
+            return EXIT_CODE  # a worker stopped the agent for a deterministic FleetError; rank 0 printed its line
         name = type(err).__name__
         first = str(err).strip().splitlines()
         print(f"fleet launch: {name}: {first[0] if first else ''}", flush=True)

@@ -1,0 +1,311 @@
+"""The worker's side of a launch: a process group that survives torchrun restarts, and one line per FleetError.
+
+**Restarts under plain torchrun.** torchrun's agent hosts one TCP store for the whole job and, unless
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, hands its address to every attempt's workers
+(``TORCHELASTIC_USE_AGENT_STORE=True``; torch/distributed/elastic/rendezvous/dynamic_rendezvous.py
+``next_rendezvous`` caches ``_shared_tcp_store_server``, static_tcp_rendezvous.py keeps ``self._store``).
+torch's ``_create_c10d_store`` connects to it without a per-attempt prefix (torch/distributed/rendezvous.py:
+"We create a new TCPStore for every retry so no need to add prefix", which the shared server contradicts), and
+``init_process_group`` names the default group ``default_pg`` + ``0/`` + ``cpu/`` every time
+(distributed_c10d.py ``PrefixStore("default_pg", store)``, ``_process_group_name``). So a restarted worker finds
+the dead attempt's gloo addresses under the very keys it waits for: ``wait`` returns at once with a stale
+peer address and gloo's ``connectFullMesh`` fails with "Connection refused" (or connects to a wrong peer),
+depending on which rank writes first. :func:`open_process_group` opens the group on a prefix of this attempt's
+own, agreed through the store by :func:`attempt_store`, so nothing an earlier attempt left can be read.
+
+**One line per FleetError.** :func:`install_error_hook` makes an uncaught
+:class:`~lightning_fleet.planning.FleetError` print ``lightning_fleet: error: <message>`` on rank 0's stderr
+(nothing on the other ranks) and exit with code 2; other exceptions keep their traceback. A deterministic
+FleetError (every attempt would raise it again: the planning core's SpecError, PlanError and NoFeasiblePlanError,
+and whatever the strategy marks with :func:`deterministic`, e.g. an incompatible checkpoint) also ends a torchrun
+job at once, without spending its restarts: each node's local rank 0 sends SIGTERM to its torchrun agent, which
+stops its workers and exits 1 (``fleet launch`` exits 2).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+import uuid
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Iterator, TypeVar
+
+from lightning_fleet.planning import FleetError, NoFeasiblePlanError, PlanError, SpecError
+
+EXIT_CODE = 2
+"""Exit code of a process ended by a FleetError (the ``fleet`` command uses the same)."""
+PEER_GRACE_S = 10.0
+"""How long a rank other than 0 waits for rank 0 (or the agent) to end the job before it reports the error itself."""
+STOP_FILE_ENV = "LIGHTNING_FLEET_STOP_FILE"
+"""Set by ``fleet launch``: the file a worker writes before it stops its agent for a deterministic error."""
+_DETERMINISTIC = "fleet_deterministic"
+_HOOK_MARK = "_lightning_fleet_error_hook"
+_STORE_ROOT = "lightning_fleet/attempt"  # the process group's keys: <root>/<token>/...
+_HANDSHAKE_ROOT = "lightning_fleet/handshake"  # agreeing on the token: <root>/<token>/w<world>/...
+_LEADER_KEY = f"{_HANDSHAKE_ROOT}/leader"
+_POLL_S = 0.05
+_parent_at_install: int | None = None
+
+E = TypeVar("E", bound=BaseException)
+
+
+# --- a process group of this attempt's own ----------------------------------------------------------
+
+
+def agent_store_shared() -> bool:
+    """Whether torchrun gave this worker its agent's long-lived store (plain torchrun, the default)."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
+def open_process_group(backend: str, rank: int, world_size: int, timeout: timedelta, device_id: Any = None) -> bool:
+    """Under torchrun's shared store, initialise torch.distributed on a key prefix of this attempt's own.
+
+    Returns False (and does nothing) when the group exists already or the store is not the agent's
+    (Lightning's launcher, ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``): then every attempt has a fresh store.
+    ``device_id`` binds the group to a CUDA device as DeepSpeed's ``init_distributed`` would.
+    """
+    import torch.distributed as dist
+    from torch.distributed.rendezvous import rendezvous
+
+    if dist.is_initialized() or not agent_store_shared():
+        return False
+    store, _, _ = next(rendezvous("env://", rank, world_size, timeout=timeout))  # a client of the agent's store
+    store.set_timeout(timeout)
+    options: dict[str, Any] = {"device_id": device_id} if device_id is not None and world_size > 1 else {}
+    dist.init_process_group(backend, store=attempt_store(store, rank, world_size, timeout), rank=rank, world_size=world_size,
+                            timeout=timeout, **options)
+    return True
+
+
+def launch_advice() -> str | None:
+    """One line for what the worker cannot fix: plain torchrun with ``--nnodes=MIN:MAX`` (read from the agent's
+    command line or ``PET_NNODES``) and the shared store. Measured here (torch 2.13): restarts work, but a second
+    agent joining later deadlocks both agents' rendezvous (dynamic_rendezvous.py ``next_rendezvous`` rebuilds the
+    bootstrap info only for a new rank 0, so the joiner waits for a MASTER_ADDR nobody writes: "wait timeout ...
+    role_info" after 60 s), and every start and restart waits the 30 s ``last_call_timeout`` for more agents."""
+    argv = _agent_argv()
+    nnodes = _flag(argv, "--nnodes") or os.environ.get("PET_NNODES", "")
+    low, _, high = nnodes.partition(":")
+    if not agent_store_shared() or not high or low == high:
+        return None
+    conf = _flag(argv, "--rdzv-conf") or _flag(argv, "--rdzv_conf") or os.environ.get("PET_RDZV_CONF", "")
+    waits = "" if "last_call_timeout" in conf else " and --rdzv-conf last_call_timeout=1 (each restart waits 30 s for agents)"
+    return (
+        f"lightning_fleet: note: torchrun --nnodes={nnodes} shares its rendezvous store with the workers: restarts work, "
+        f"but an agent joining later deadlocks the rendezvous; launch with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1{waits}, "
+        "or with fleet launch"
+    )
+
+
+def announce_launch_advice(rank: int) -> None:
+    """Print :func:`launch_advice` once per job: on rank 0 of the first attempt."""
+    advice = launch_advice() if rank == 0 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" else None
+    if advice:
+        print(advice, flush=True)
+
+
+def _agent_argv() -> list[str]:
+    """The command line of this worker's parent (torchrun's agent), empty where it cannot be read."""
+    try:
+        return Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return []
+
+
+def _flag(argv: list[str], name: str) -> str:
+    """The value of ``name=V`` or ``name V`` in ``argv`` ("" when absent)."""
+    for i, arg in enumerate(argv):
+        if arg.endswith(".py") and i > 0:
+            break  # the training script: what follows are its own arguments
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1]
+        if arg == name and i + 1 < len(argv):
+            return argv[i + 1]
+    return ""
+
+
+def attempt_store(store: Any, rank: int, world_size: int, timeout: timedelta) -> Any:
+    """A prefix of ``store`` that only this attempt's ``world_size`` ranks use, whatever earlier attempts left there.
+
+    Rank 0 publishes a fresh token as the leader, waits until the other ranks have joined it and then says go.
+    A rank trusts a token only when its own join count was within ``world_size - 1`` and the go came after
+    that: a dead attempt's go implies its count was full already, so a stale token always fails the count
+    (or never gets its go), and the rank moves on as soon as the live rank 0 replaces the leader.
+    """
+    from torch.distributed import PrefixStore
+
+    deadline = time.monotonic() + timeout.total_seconds()
+    if rank == 0:
+        token = uuid.uuid4().hex
+        store.set(_LEADER_KEY, token)
+        if world_size > 1:
+            store.wait([_attempt_key(token, world_size, "all-joined")], timeout)
+            store.set(_attempt_key(token, world_size, "go"), "1")
+    else:
+        token = _join_live_leader(store, world_size, deadline)
+    return PrefixStore(f"{_STORE_ROOT}/{token}/", store)
+
+
+def _attempt_key(token: str, world_size: int, name: str) -> str:
+    return f"{_HANDSHAKE_ROOT}/{token}/w{world_size}/{name}"
+
+
+def _join_live_leader(store: Any, world_size: int, deadline: float) -> str:
+    """The live rank 0's token (a rank other than 0)."""
+    tried: set[str] = set()
+    while True:
+        store.wait([_LEADER_KEY], timedelta(seconds=max(0.001, deadline - time.monotonic())))
+        token = store.get(_LEADER_KEY).decode()
+        if token not in tried:
+            tried.add(token)
+            joined = store.add(_attempt_key(token, world_size, "joined"), 1)
+            if joined == world_size - 1:
+                store.set(_attempt_key(token, world_size, "all-joined"), "1")
+            if joined <= world_size - 1 and _go_or_new_leader(store, token, world_size, deadline):
+                return token
+        elif time.monotonic() > deadline:
+            raise FleetError(
+                f"rank 0 of this attempt did not appear in torchrun's store within the process-group timeout; the last "
+                f"token {token!r} belongs to an attempt that is gone: check that every worker of the job was restarted"
+            )
+        else:
+            time.sleep(_POLL_S)
+
+
+def _go_or_new_leader(store: Any, token: str, world_size: int, deadline: float) -> bool:
+    """True once rank 0 says go for ``token``; False as soon as another leader replaces it."""
+    from torch.distributed import DistStoreError
+
+    while time.monotonic() < deadline:
+        try:
+            store.wait([_attempt_key(token, world_size, "go")], timedelta(seconds=0.5))
+            return True
+        except DistStoreError:
+            if store.get(_LEADER_KEY).decode() != token:
+                return False
+    raise FleetError(f"rank 0 of this attempt (token {token!r}) did not start the process group within the process-group timeout")
+
+
+# --- one line per FleetError, no restarts for a deterministic one --------------------------------
+
+
+DETERMINISTIC_TYPES: tuple[type[FleetError], ...] = (SpecError, PlanError, NoFeasiblePlanError)
+"""FleetErrors deterministic unless marked otherwise: the planning core's verdicts are functions of the job's inputs
+(model, cluster, plan, world), so every attempt at the same world raises them again."""
+
+
+def deterministic(error: E, value: bool = True) -> E:
+    """Mark a FleetError as one every attempt of this job would raise again (or, ``value=False``, as one a restart may
+    cure); returns it: ``raise deterministic(FleetError(...))``. The mark survives pickling (``_on_rank_zero``)."""
+    setattr(error, _DETERMINISTIC, value)
+    return error
+
+
+def is_deterministic(error: BaseException) -> bool:
+    """Whether ``error`` ends the job without restarts: its :func:`deterministic` mark, else its type."""
+    return bool(getattr(error, _DETERMINISTIC, isinstance(error, DETERMINISTIC_TYPES)))
+
+
+@contextmanager
+def deterministic_errors() -> Iterator[None]:
+    """Mark every FleetError raised inside the block as deterministic (e.g. around start-up planning)."""
+    try:
+        yield
+    except FleetError as error:
+        deterministic(error)
+        raise
+
+
+def install_error_hook() -> None:
+    """Route uncaught FleetErrors to :func:`end_job`; every other exception goes to the hook installed before.
+
+    Idempotent: does nothing while the outermost ``sys.excepthook`` is this one; when another hook has
+    wrapped it since (``init_process_group`` installs one that buffers stderr), wraps again so that the
+    line is written before anything else sees the exception. Hooks the user installs later see every
+    exception first, as usual.
+    """
+    global _parent_at_install
+    previous = sys.excepthook
+    if getattr(previous, _HOOK_MARK, False):
+        return
+    if _parent_at_install is None:
+        _parent_at_install = os.getppid()
+
+    def hook(kind: type[BaseException], error: BaseException, traceback: Any) -> None:
+        if isinstance(error, FleetError):
+            end_job(error)
+        previous(kind, error, traceback)
+
+    setattr(hook, _HOOK_MARK, True)
+    sys.excepthook = hook
+
+
+def end_job(error: FleetError) -> None:
+    """Print the error once for the job, stop a torchrun agent for a deterministic error, and exit with code 2.
+
+    Rank 0 prints ``lightning_fleet: error: <message>``. The other ranks print nothing and wait up to
+    :data:`PEER_GRACE_S` for the job to end around them (rank 0 exiting, the agent's SIGTERM); if it does not,
+    rank 0 did not raise this error, and they print it themselves with their rank.
+    """
+    rank = _global_rank()
+    message = " ".join(str(error).split("\n")).strip() or type(error).__name__
+    if rank == 0:
+        print(f"lightning_fleet: error: {message}", file=sys.stderr, flush=True)
+    agent = _agent_to_stop(error)
+    if agent is not None:
+        _write_stop_file(message)
+        os.kill(agent, signal.SIGTERM)
+    if rank != 0 or agent is not None:
+        ended = _ended_around_us(PEER_GRACE_S)  # the agent's SIGTERM exits from inside
+        if not ended and rank != 0:
+            print(f"lightning_fleet: error: rank {rank}: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(EXIT_CODE)
+
+
+def _global_rank() -> int:
+    """This process's global rank: the process group's, else the launcher's variables (0 when there are none)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return int(dist.get_rank())
+    if "RANK" in os.environ:
+        return int(os.environ["RANK"])
+    local, node = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("NODE_RANK", os.environ.get("GROUP_RANK", 0)))
+    return local + node  # Lightning's launcher sets no RANK: zero only on the first process of the first node
+
+
+def _agent_to_stop(error: FleetError) -> int | None:
+    """The torchrun agent's PID when this process should stop it: a deterministic error, restarts left, local rank 0."""
+    if not is_deterministic(error) or "TORCHELASTIC_RUN_ID" not in os.environ or os.environ.get("LOCAL_RANK", "0") != "0":
+        return None
+    restarts_left = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) - int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    parent = os.getppid()
+    return parent if restarts_left > 0 and parent > 1 else None
+
+
+def _write_stop_file(message: str) -> None:
+    path = os.environ.get(STOP_FILE_ENV)
+    if path:
+        try:
+            Path(path).write_text(message + "\n")
+        except OSError:
+            pass  # fleet launch then reports the agent's signal instead; the error line was printed already
+
+
+def _ended_around_us(grace_s: float) -> bool:
+    """Wait until the agent's SIGTERM (exit 2 at once) or the parent's exit (True), or ``grace_s`` (False)."""
+
+    def stop(signum: int, frame: Any) -> None:
+        raise SystemExit(EXIT_CODE)
+
+    signal.signal(signal.SIGTERM, stop)
+    parent, deadline = _parent_at_install or os.getppid(), time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        if os.getppid() != parent:
+            return True  # Lightning's launcher: rank 0 is our parent and has exited (after printing the line)
+        time.sleep(_POLL_S)
+    return False
+
