@@ -27,7 +27,11 @@ WARNINGS = (
 """(category, message regex) of the warnings dropped."""
 
 LOG_RECORDS = {
-    "DeepSpeed": re.compile(r"^Setting accelerator to CPU\. If you have GPU or other accelerator, we were unable to detect it\.$"),
+    "DeepSpeed": re.compile(
+        r"^Setting accelerator to CPU\. If you have GPU or other accelerator, we were unable to detect it\.$"
+        # the user's own optimizer (configure_optimizers) under ZeRO: strategy "fleet" allows it on purpose
+        r"|^\*\*\*\* You are using ZeRO with an untested optimizer, proceed with caution \*\*\*\*\*$"
+    ),
     "lightning.pytorch.strategies.deepspeed": re.compile(r"^initializing deepspeed distributed: GLOBAL_RANK"),
     "pytorch_lightning.strategies.deepspeed": re.compile(r"^initializing deepspeed distributed: GLOBAL_RANK"),
 }

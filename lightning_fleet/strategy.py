@@ -31,6 +31,8 @@ from lightning_fleet.elastic.compatibility import RESUME_POLICIES, incompatibili
 from lightning_fleet.elastic.reshard import make_universal
 from lightning_fleet.data import TrainingData, example_batch, inspect_training_loader, step_loader
 from lightning_fleet.elastic.sampler import MicroBatches
+from lightning_fleet.elastic.worker import announce_launch_advice, deterministic_errors, install_error_hook, open_process_group
+from lightning_fleet.export import lightning_checkpoint, record_module, restore_module, write_layout
 from lightning_fleet.planning import (
     ClusterSpec,
     Estimate,
@@ -41,15 +43,17 @@ from lightning_fleet.planning import (
     PlanResult,
     Precision,
     Recompute,
+    PartialPlan,
     estimate,
     load_cluster,
+    parse_partial_plan,
     parse_plan,
 )
 from lightning_fleet.planning import plan as search_plans
 from lightning_fleet.planning.cluster import GIB
 from lightning_fleet.progress import FleetProgress
 from lightning_fleet.registration import PRESETS
-from lightning_fleet.profiling import find_layers, profile_module, tensor_parallel_hook
+from lightning_fleet.profiling import Profile, find_layers, profile, tensor_parallel_hook
 from lightning_fleet.runtime.deepspeed_config import deepspeed_config, runtime_constraints
 from lightning_fleet.runtime.pipeline import build_pipeline, local_optimizer, micro_batch_iterator, pipeline_hook, sync_stage_weights
 
@@ -123,6 +127,7 @@ class FleetStrategy(DeepSpeedStrategy):
         precision_plugin: Any = None,
         process_group_backend: str | None = None,
     ) -> None:
+        install_error_hook()  # an uncaught FleetError is one line per job (and, when deterministic, no restart loop)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -168,7 +173,7 @@ class FleetStrategy(DeepSpeedStrategy):
         self._facts: dict[str, Any] | None = None
         self._restorers: list[Any] = []
         self._data: TrainingData | None = None  # the user's training data, as the strategy re-batches it
-        self._engine: Any = None  # the DeepSpeed engine of the running fit (None before, and once released)
+        self._engine: Any = None  # the DeepSpeed engine of the last fit (kept for saving after evaluation)
         self._module_record: Any = None  # what restore_module needs to hand the user's module back
         self._training_precision: Any = None  # DeepSpeed's precision plugin while an evaluation uses a plain one
         self._step_started: float | None = None
@@ -207,12 +212,25 @@ class FleetStrategy(DeepSpeedStrategy):
         self.set_world_ranks()
         self._init_deepspeed_distributed()
 
+    def _init_deepspeed_distributed(self) -> None:
+        """Under plain torchrun, open the process group on a store prefix of this attempt's own, so a restart never reads
+        a dead attempt's addresses (lightning_fleet.elastic.worker); DeepSpeed adopts the group. Then put the one-line
+        FleetError hook back outside the one ``init_process_group`` installs (it would swallow the line); say what only
+        the launch command can fix (an elastic plain-torchrun job)."""
+        device = self.root_device if self.root_device.type == "cuda" else None
+        open_process_group(self._get_process_group_backend(), self.global_rank, self.world_size, self._timeout, device_id=device)
+        with noise.without_banner():
+            super()._init_deepspeed_distributed()
+        install_error_hook()
+        announce_launch_advice(self.global_rank)
+
     def _setup_model_and_optimizer(self, model, optimizer, lr_scheduler=None):  # type: ignore[no-untyped-def]
         """deepspeed.initialize with the local rank as device rank (Lightning passes None on CPU)."""
         import argparse
 
         import deepspeed
 
+        self._module_record = record_module(model)  # before DeepSpeed changes it: what restore_module hands back
         if self.plan is not None and self.plan.pp > 1:
             layers = find_layers(model)
             model = build_pipeline(
@@ -279,12 +297,13 @@ class FleetStrategy(DeepSpeedStrategy):
     def setup(self, trainer) -> None:  # type: ignore[no-untyped-def]
         """Plan (rank 0 decides, every rank applies the same plan), then let DeepSpeed set up."""
         if trainer.state.fn == TrainerFn.FITTING:
-            self._facts = job_facts(self.lightning_module, global_batch_size=self.global_batch_size, data_seed=_sampler_seed())
-            self._attach_checkpointing(trainer)
-            if self.progress and not any(isinstance(c, FleetProgress) for c in trainer.callbacks):
-                trainer.callbacks.append(FleetProgress())
-            self._choose_plan(trainer)
-            self._prepare_reshard()
+            with deterministic_errors():  # every attempt of this job would raise them again: no restart loop
+                self._facts = job_facts(self.lightning_module, global_batch_size=self.global_batch_size, data_seed=_sampler_seed())
+                self._attach_checkpointing(trainer)
+                if self.progress and not any(isinstance(c, FleetProgress) for c in trainer.callbacks):
+                    trainer.callbacks.append(FleetProgress())
+                self._choose_plan(trainer)
+                self._prepare_reshard()
             self._use_training_precision()
             super().setup(trainer)
         else:
@@ -304,15 +323,27 @@ class FleetStrategy(DeepSpeedStrategy):
         self.barrier("fleet-evaluation-setup")
 
     def _release_engine(self) -> None:
-        """Hand the module back as a plain module with the trained weights (collective: every rank calls it)."""
-        if self._engine is None:
-            return
-        if self.plan is not None and self.plan.pp > 1:
-            sync_stage_weights(self._engine, self.lightning_module)
-        # (the lead wires export.restore_module here once it exists)
-        self._engine = self._module_record = None
+        """Evaluate the module itself: after a fit in this process it is already a plain module holding the trained
+        weights (restored at the end of training); the engine is kept only for ``trainer.save_checkpoint``."""
+        if self._engine is not None and self._module_record is not None:
+            restore_module(self, self._module_record)  # a no-op when the end of training restored it already
         self.model = self.lightning_module
         self._undo_module_patches()
+
+    @property
+    def deepspeed_engine(self) -> Any:
+        """The engine of the last fit (it still saves checkpoints after the module was handed back for evaluation)."""
+        return self._engine if self._engine is not None else self.model
+
+    def _engine_in_use(self) -> bool:
+        return self._engine is not None and self.model is self._engine
+
+    def on_train_end(self) -> None:
+        """Hand the user's module back, as a plain module in its original structure holding the trained weights on every
+        rank (collective; runs after the callbacks' on_train_end, so after the final checkpoint, and only when training
+        ended normally). The engine still saves checkpoints afterwards (export.restore_module)."""
+        if self._engine is not None and self._module_record is not None:
+            restore_module(self, self._module_record)
 
     def _use_evaluation_precision(self, trainer) -> None:  # type: ignore[no-untyped-def]
         """Without an engine, mixed precision is autocast (DeepSpeed casts the module itself during fit)."""
@@ -339,7 +370,7 @@ class FleetStrategy(DeepSpeedStrategy):
     def distributed_sampler_kwargs(self) -> dict[str, int]:
         """Evaluation data is split by data-parallel replica: the ranks of one tensor- or pipeline-parallel group see the
         same samples (their outputs are one model's), so logged metrics equal a single process's."""
-        if self.plan is None or self._engine is None:
+        if self.plan is None or not self._engine_in_use():
             return {"num_replicas": self.world_size, "rank": self.global_rank}
         return {"num_replicas": self.plan.dp, "rank": self.dp_rank}
 
@@ -439,8 +470,13 @@ class FleetStrategy(DeepSpeedStrategy):
         return result
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Load a FleetCheckpoint directory (verified, pickles screened, RNG restored) or a plain DeepSpeed one."""
+        """Load a FleetCheckpoint directory (verified, pickles screened, RNG restored) or a plain DeepSpeed one; for
+        validate/test/predict, any checkpoint of any plan as full weights (export.lightning_checkpoint) or a single file."""
         path = Path(checkpoint_path)
+        if self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
+            if path.is_dir():
+                return lightning_checkpoint(path)
+            return self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
         if not (path / MANIFEST).is_file():
             return super().load_checkpoint(checkpoint_path, weights_only)
         resharding = self._reshard is not None and path == self._auto_resume
@@ -466,6 +502,13 @@ class FleetStrategy(DeepSpeedStrategy):
         if self.is_global_zero:
             print(f"lightning_fleet: resumed from {path} (step {manifest['step']}; {how})", flush=True)
         return state
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """Evaluation loads the full weights into the module; a fit's engine loaded its shards in load_checkpoint."""
+        if self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
+            self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=strict)
+            return
+        super().load_model_state_dict(checkpoint, strict)
 
     def _format_batch_size_and_grad_accum_config(self) -> None:
         """Micro-batch and accumulation come from the plan, not from the Trainer's flags."""
@@ -494,7 +537,8 @@ class FleetStrategy(DeepSpeedStrategy):
             gbs = manifest["global_batch_size"]
         precision = _precision_of(trainer)
         started = time.perf_counter()
-        self.model_spec = profile_module(module, example, global_batch_size=gbs, precision=precision, name=type(module).__name__)
+        self.profile = profile(module, example, global_batch_size=gbs, precision=precision, name=type(module).__name__)
+        self.model_spec = self.profile.spec
         profiled = time.perf_counter()
         self.cluster = self._resolve_cluster()
         measured = time.perf_counter()
@@ -508,10 +552,7 @@ class FleetStrategy(DeepSpeedStrategy):
             overlap_comm=self.root_device.type == "cuda",
             tensor_parallel=tp[1] if tp else None,
         )
-        if self.plan.pp > 1:
-            # the pipeline engine runs forward, backward and step itself (train_batch); Lightning must not
-            self._patch(module, "_automatic_optimization", False)
-        elif self.plan.recompute is Recompute.FULL:
+        if self.plan.recompute is Recompute.FULL and self.plan.pp == 1:  # (the pipeline checkpoints its own layers)
             for layer in find_layers(module):
                 self._patch(layer, "forward", _checkpointed(layer.forward))
         if module.automatic_optimization:
@@ -562,7 +603,8 @@ class FleetStrategy(DeepSpeedStrategy):
             )
         return runtime_constraints(
             has_tensor_parallel=tensor_parallel_hook(module) is not None,
-            has_pipeline=pipeline_hook(module) is not None and find_layers(module) is not None,
+            # a pipeline runs forward, backward and step itself: not with the user's own optimization loop
+            has_pipeline=pipeline_hook(module) is not None and find_layers(module) is not None and module.automatic_optimization,
             has_layers=find_layers(module) is not None,
             allow_offload=self.allow_offload,
             require_offload=self.require_offload,
@@ -574,19 +616,53 @@ class FleetStrategy(DeepSpeedStrategy):
     def _plan_on_rank_zero(self) -> str:
         """The plan string (rank 0 only: it prints the table)."""
         assert self.model_spec is not None and self.cluster is not None
-        manifest = self._resume_manifest()
-        forced_text = self.forced_plan
-        if forced_text is None and manifest is not None and manifest["world_size"] == self.world_size:
-            forced_text = manifest["plan"]  # same world: continue the checkpoint's plan exactly
-        if forced_text is not None:
-            forced = parse_plan(forced_text, global_batch_size=self.model_spec.global_batch_size)
-            _check_runtime_supports(forced, self._constraints(), type(self.lightning_module).__name__)
-            chosen = estimate(self.model_spec, self.cluster, forced)
-            _print_table(chosen, None, self.cluster)
+        spec, cluster, manifest = self.model_spec, self.cluster, self._resume_manifest()
+        if self.forced_plan is None and manifest is not None and manifest["world_size"] == self.world_size:
+            resumed = parse_plan(manifest["plan"], global_batch_size=spec.global_batch_size)  # same world: continue exactly
+            _print_table(estimate(spec, cluster, resumed), None, cluster, [*self._profile_lines(), "plan     the checkpoint's"])
+            return str(resumed)
+        partial, notes = self._fixed_axes()
+        constraints = self._constraints()
+        _check_runtime_supports(partial, constraints, self.lightning_module)
+        constraints = partial.constraints(constraints)
+        if partial.complete:  # everything fixed: train it as given (priced, not searched)
+            forced = partial.to_plan(spec.global_batch_size)
+            _print_table(estimate(spec, cluster, forced), None, cluster, notes)
             return str(forced)
-        result = search_plans(self.model_spec, self.cluster, top=self.top, constraints=self._constraints())
-        _print_table(result.best, result, self.cluster)
+        result = search_plans(spec, cluster, top=self.top, constraints=constraints)
+        _print_table(result.best, result, cluster, notes)
         return str(result.best.plan)
+
+    def _fixed_axes(self) -> tuple[PartialPlan, list[str]]:
+        """What the planner may not choose (the user's plan and micro_batch_size, what the loss and the optimization
+        loop need) and the report lines that say why."""
+        partial = parse_partial_plan(self.forced_plan or "")
+        notes = self._profile_lines()
+        if partial.fixed:
+            notes.append(f"fixed    {partial} (FleetStrategy(plan=...)); the planner chose the rest")
+        module, profiled = self.lightning_module, self.profile
+        if self.micro_batch_size is not None:
+            partial = partial.fix(mbs=self.micro_batch_size)
+            notes.append(f"fixed    mbs={self.micro_batch_size} (FleetStrategy(micro_batch_size=...))")
+        elif profiled is not None and profiled.batch_dependent and partial.mbs is None and self._data is not None:
+            mbs = self._data.batch_size
+            if self.model_spec.global_batch_size % mbs == 0:
+                partial = partial.fix(mbs=mbs)
+                notes.append(
+                    f"fixed    mbs={mbs}: the loss depends on the micro-batch (BatchNorm, in-batch negatives or a summed loss), "
+                    "so the DataLoader's batch size stays the micro-batch; pass micro_batch_size=N to choose another"
+                )
+        elif profiled is not None and profiled.batch_dependent is None and partial.mbs is None:
+            notes.append("note     whether the loss depends on the micro-batch is unknown; pass micro_batch_size=N to pin it")
+        if not module.automatic_optimization:
+            if partial.gas not in (None, 1):
+                raise FleetError(f"plan {partial}: {type(module).__name__} steps its own optimizer once per training_step, so gas must be 1")
+            partial = partial.fix(gas=1)
+            notes.append("fixed    gas=1, no pipeline: manual optimization steps once per training_step")
+        return partial, notes
+
+    def _profile_lines(self) -> list[str]:
+        return self.profile.report_lines() if self.profile is not None else []
 
     def _get_process_group_backend(self) -> str:
         return self._process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
@@ -634,31 +710,36 @@ class FleetStrategy(DeepSpeedStrategy):
         return {**output, "loss": shown} if isinstance(output, Mapping) else shown
 
     def _pipeline_step(self, batch: MicroBatches) -> torch.Tensor:
-        """One optimizer step through DeepSpeed's pipeline schedule; Lightning only counts it and logs."""
+        """One optimizer step through DeepSpeed's pipeline schedule (forward, backward and step of every micro-batch);
+        Lightning's automatic loop only counts it, steps the schedulers and logs."""
         loss = self.deepspeed_engine.train_batch(micro_batch_iterator(batch))
-        module = self.lightning_module
-        module.log("train_loss", loss, prog_bar=True)
-        module.optimizers().step()  # counted by Lightning; optimizer_step below leaves the work to the engine
-        for config in self.lr_scheduler_configs:
-            if config.interval == "step":
-                config.scheduler.step()
+        self.lightning_module.log("train_loss", loss, prog_bar=True)
         return loss
 
+    def _pipelined(self) -> bool:
+        return self._engine_in_use() and self.plan is not None and self.plan.pp > 1
+
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Under a pipeline the engine ran backward inside train_batch already."""
+        if self._pipelined():
+            return closure_loss
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        """Under a pipeline the engine already stepped inside train_batch."""
-        if self.plan is not None and self.plan.pp > 1 and self._engine is not None:
-            return None
+        """Under a pipeline the closure runs the step's train_batch, which also stepped the engine."""
+        if self._pipelined():
+            return closure()
         return super().optimizer_step(optimizer, closure, model, **kwargs)
 
     def on_validation_start(self) -> None:
         """Under a pipeline each rank's engine trains only its stage: bring every stage's current weights into the module
         so that the user's own validation_step runs on the whole model."""
-        if self._engine is not None and self.plan is not None and self.plan.pp > 1:
+        if self._pipelined():
             sync_stage_weights(self._engine, self.lightning_module)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         """The user's validation_step; under a pipeline on the module itself (its stages synchronised at validation start)."""
-        if self._engine is None or self.plan is None or self.plan.pp == 1:
+        if not self._pipelined():
             return super().validation_step(*args, **kwargs)
         with self.precision_plugin.val_step_context():
             return self.lightning_module.validation_step(*args, **kwargs)
@@ -680,14 +761,11 @@ class FleetStrategy(DeepSpeedStrategy):
     def save_checkpoint(self, checkpoint: dict, filepath: Any, storage_options: Any = None) -> None:
         """DeepSpeed's sharded checkpoint, with the plan and global batch recorded for resume, and the layout
         (``fleet_layout.json``, rank 0) that lets :func:`lightning_fleet.export.export_state_dict` rebuild the full weights."""
-        from lightning_fleet.export import write_layout
-
         if self.plan is not None:
             checkpoint["fleet"] = {"plan": str(self.plan), "global_batch_size": self.plan.global_batch_size, "world_size": self.world_size}
-        filepath = self.broadcast(filepath)  # DeepSpeedStrategy broadcasts it too: rank 0's path everywhere
         super().save_checkpoint(checkpoint, filepath, storage_options)
         if self.is_global_zero:
-            write_layout(self, filepath, getattr(self, "_module_record", None))
+            write_layout(self, filepath, self._module_record)
         self.barrier("fleet-layout-written")  # the checkpoint is whole on every rank when save_checkpoint returns
 
     @classmethod
@@ -728,24 +806,32 @@ def _loss_of(output: Any) -> torch.Tensor:
     return output
 
 
-def _check_runtime_supports(plan: Plan, constraints: Any, module_name: str) -> None:
-    """A forced plan must be something this runtime executes; say what is missing otherwise."""
-    if plan.tp > 1 and constraints.max_tp == 1:
+def _check_runtime_supports(plan: PartialPlan, constraints: Any, module: Any) -> None:
+    """The axes a user fixed must be something this runtime executes for this module; say what is missing otherwise
+    (what else the runtime cannot run, PartialPlan.constraints names)."""
+    module_name = type(module).__name__
+    if (plan.tp or 1) > 1 and constraints.max_tp == 1:
         raise FleetError(f"plan {plan} has tp={plan.tp}, but {module_name} defines no fleet_tensor_parallel() hook: add it or use tp=1")
-    if plan.pp > 1 and constraints.max_pp == 1:
-        raise FleetError(f"plan {plan} has pp={plan.pp}, but {module_name} defines no fleet_pipeline() (and fleet_layers()) hook: add it or use pp=1")
-    if plan.pp > 1 and (plan.tp > 1 or plan.offload is not Offload.NONE or plan.zero > 1):
+    if (plan.pp or 1) > 1 and constraints.max_pp == 1:
+        raise FleetError(f"plan {plan} has pp={plan.pp}, but {module_name} {_no_pipeline_because(module)}")
+    if (plan.pp or 1) > 1 and ((plan.tp or 1) > 1 or plan.offload not in (None, Offload.NONE) or (plan.zero or 0) > 1):
         raise FleetError(f"plan {plan}: DeepSpeed's pipeline engine runs with zero <= 1, without tp and without offload")
-    if plan.sp or plan.vpp > 1:
+    if plan.sp or (plan.vpp or 1) > 1:
         raise FleetError(f"plan {plan}: DeepSpeed runs neither sequence parallelism nor interleaved pipelines; use sp=false, vpp=1")
     if plan.recompute is Recompute.SELECTIVE:
         raise FleetError(f"plan {plan}: selective recomputation needs attention internals; use recompute=full or none")
     if plan.recompute is Recompute.FULL and Recompute.FULL not in constraints.recompute:
         raise FleetError(f"plan {plan}: recompute=full needs the layer stack: add fleet_layers() to {module_name}")
-    if plan.zero not in constraints.zero_stages:
+    if plan.zero is not None and plan.zero not in constraints.zero_stages:
         raise FleetError(f"plan {plan}: zero={plan.zero} is outside zero_stages={constraints.zero_stages}")
-    if plan.offload is not Offload.NONE and not constraints.allow_offload:
+    if plan.offload not in (None, Offload.NONE) and not constraints.allow_offload:
         raise FleetError(f"plan {plan} offloads, but allow_offload=False")
+
+
+def _no_pipeline_because(module: Any) -> str:
+    if not module.automatic_optimization:
+        return "optimizes manually, and a pipeline runs forward, backward and step itself: use pp=1"
+    return "defines no fleet_pipeline() (and fleet_layers()) hook: add it or use pp=1"
 
 
 def _check_checkpoint(path: Path) -> None:
@@ -767,11 +853,13 @@ def _checkpointed(forward: Any) -> Any:
     return lambda *args, **kwargs: checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
-def _print_table(chosen: Estimate, result: PlanResult | None, cluster: ClusterSpec) -> None:
-    """Rank 0's start-up report: the plan, its predicted memory and time, and why the runners-up lost."""
+def _print_table(chosen: Estimate, result: PlanResult | None, cluster: ClusterSpec, notes: list[str]) -> None:
+    """Rank 0's start-up report: how the module was measured and what was fixed, the plan, its predicted memory and
+    time, and why the runners-up lost."""
     lines = [
         f"lightning_fleet plan for {chosen.model.name} ({chosen.model.params / 1e6:.2f} M params, global batch "
         f"{chosen.plan.global_batch_size}) on {cluster.name} ({cluster.world_size} x {cluster.groups[0].device.name}):",
+        *(f"  {note}" for note in notes),
         f"  chosen   {chosen.plan}",
         f"           predicted {chosen.time.step_s:.4g} s/step, {chosen.memory.total_bytes / GIB:.2f} of "
         f"{chosen.memory.limit_bytes / GIB:.2f} GiB per device ({chosen.time.largest_term()[0]} dominates)",

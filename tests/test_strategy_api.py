@@ -10,7 +10,7 @@ from torch import nn
 import lightning_fleet
 from examples.gpt.data import StdlibText
 from examples.gpt.model import GPT
-from lightning_fleet.planning import FleetError, NoFeasiblePlanError, PlanError, SpecError
+from lightning_fleet.planning import FleetError, NoFeasiblePlanError, PlanError, SpecError  # noqa: F401
 
 
 class NoHooks(LightningModule):
@@ -102,8 +102,8 @@ def test_trained_plan_is_exposed_on_the_strategy():
 @pytest.mark.parametrize(
     "kwargs,module,error,message",
     [
-        (dict(plan="dp=2"), None, PlanError, "dp(2) * tp(1) * pp(1) = 2 != world size 1"),
-        (dict(plan="dp=1,tp=3"), None, PlanError, "tp(3) does not divide num_heads(4)"),
+        (dict(plan="dp=2"), None, NoFeasiblePlanError, "dp(2) does not divide world size 1: change the fixed values or the device count"),
+        (dict(plan="dp=1,tp=3"), None, NoFeasiblePlanError, "dp(1) * tp(3) = 3 does not divide world size 1"),
         (dict(plan="dp=1,tp=2"), NoHooks(), FleetError, "defines no fleet_tensor_parallel() hook: add it or use tp=1"),
         (dict(plan="dp=1,pp=2"), NoHooks(), FleetError, "defines no fleet_pipeline() (and fleet_layers()) hook: add it or use pp=1"),
         (dict(plan="dp=1,pp=2,zero=2"), None, FleetError, "DeepSpeed's pipeline engine runs with zero <= 1, without tp and without offload"),
@@ -132,7 +132,7 @@ def test_model_that_fits_nowhere(tmp_path):
     with pytest.raises(NoFeasiblePlanError) as err:
         fit(lightning_fleet.FleetStrategy(cluster=str(tiny)))
     message = one_line(err)
-    assert "needs" in message and "with the best plan (dp=1" in message and "add devices" in message
+    assert "needs" in message and "with the closest plan (dp=1" in message and "add devices" in message
 
 
 def test_trainer_gradient_accumulation_is_refused():
@@ -163,3 +163,73 @@ def test_tensor_parallel_checkpoint_at_another_world_is_refused(tmp_path):
     with pytest.raises(FleetError) as err:
         fit(lightning_fleet.FleetStrategy(checkpoint_dir=str(tmp_path / "ckpt")))
     assert "resharding to 1 processes needs a data-parallel checkpoint (tp=1, pp=1): relaunch with 2 processes" in one_line(err)
+
+
+class Manual(NoHooks):
+    """Manual optimization with one optimizer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        opt.zero_grad()
+        loss = super().training_step(batch, batch_idx)
+        self.manual_backward(loss)
+        opt.step()
+        return loss
+
+
+class TwoOptimizers(Manual):
+    """A GAN-style module: two optimizers stepped by hand (DeepSpeed drives one)."""
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.emb.parameters(), lr=0.1), torch.optim.SGD(self.out.parameters(), lr=0.1)
+
+
+def test_a_partial_plan_fixes_its_keys_and_the_planner_chooses_the_rest(capsys):
+    """plan="dp=1,zero=1" no longer means mbs=1: the planner picks the micro-batch; the report says what was fixed."""
+    trainer = fit(lightning_fleet.FleetStrategy(plan="dp=1,zero=1", global_batch_size=8))
+    plan = trainer.strategy.plan
+    assert plan.zero == 1 and plan.dp == 1 and plan.mbs * plan.gas == 8
+    assert "fixed    dp=1,zero=1 (FleetStrategy(plan=...)); the planner chose the rest" in capsys.readouterr().out
+
+
+def test_micro_batch_size_is_kept(capsys):
+    trainer = fit(lightning_fleet.FleetStrategy(micro_batch_size=2, global_batch_size=8))
+    assert (trainer.strategy.plan.mbs, trainer.strategy.plan.gas) == (2, 4)
+    assert "fixed    mbs=2 (FleetStrategy(micro_batch_size=...))" in capsys.readouterr().out
+
+
+def test_micro_batch_size_against_the_plan_string_is_one_line():
+    with pytest.raises(PlanError) as err:
+        fit(lightning_fleet.FleetStrategy(plan="mbs=4", micro_batch_size=2, global_batch_size=8))
+    assert "already fixes mbs=4; it cannot also be 2" in one_line(err)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, True])
+def test_bad_micro_batch_size(bad):
+    with pytest.raises(FleetError, match="micro_batch_size"):
+        lightning_fleet.FleetStrategy(micro_batch_size=bad)
+
+
+def test_manual_optimization_trains_one_micro_batch_per_step(capsys):
+    trainer = fit(lightning_fleet.FleetStrategy(global_batch_size=4), Manual())
+    assert trainer.strategy.plan.gas == 1 and trainer.global_step == 1
+    assert "fixed    gas=1, no pipeline: manual optimization steps once per training_step" in capsys.readouterr().out
+
+
+def test_manual_optimization_refuses_a_pipeline_in_one_line():
+    with pytest.raises(FleetError) as err:
+        fit(lightning_fleet.FleetStrategy(plan="dp=1,pp=2"), Manual())
+    assert "Manual optimizes manually, and a pipeline runs forward, backward and step itself: use pp=1" in one_line(err)
+
+
+def test_several_optimizers_are_refused_before_training():
+    module = TwoOptimizers()
+    before = [p.detach().clone() for p in module.parameters()]
+    with pytest.raises(FleetError) as err:
+        fit("fleet", module)
+    assert "returns 2 optimizers and 0 schedulers" in one_line(err) and "combine the parameter groups into one optimizer" in one_line(err)
+    assert all(torch.equal(a, b) for a, b in zip(before, module.parameters()))

@@ -1,0 +1,130 @@
+"""Tier 3: the module zoo (tests/zoo.py: modules and data as users write them) trained on 2 gloo processes under
+strategy "fleet" with an automatic plan and with a forced ZeRO-3 plan, each held against plain single-process Lightning.
+
+The reference is ``Trainer(devices=1)`` without lightning_fleet's strategy, fed the same global batches in the same
+order (the documented order of the training data: lightning_fleet.data) as micro-batches with
+``accumulate_grad_batches``: one micro-batch of the whole global batch, or, where the loss depends on the micro-batch
+(BatchNorm, in-batch negatives, a summed loss), micro-batches of the DataLoader's batch size, which the strategy keeps
+for such losses; those cases are also evaluated the way data-parallel replicas evaluate (each its share of the
+samples, metrics averaged), since their metrics depend on the evaluation batches too. After fit the trained module must hold the reference's parameters, and validate, test and predict
+with the same Trainer must give the reference's metrics and predictions. Exceptions, by nature: BatchNorm's running
+statistics are each replica's own (as under DDP), so the BatchNorm case compares parameters only; bf16-mixed is held
+to bf16 precision (DeepSpeed keeps bf16 weights and fp32 masters where Lightning autocasts fp32 weights).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import pytest
+import torch
+from lightning.pytorch import Trainer, seed_everything
+from torch.utils.data import DataLoader, Subset
+
+from lightning_fleet.data import inspect_training_loader, step_loader
+from tests.multiprocess import ROOT, run_worker
+from tests.zoo import BATCH_SIZE, CASES, Case, evaluation_kwargs
+
+WORKER = ROOT / "tests" / "workers" / "zoo_worker.py"
+STEPS, WORLD = 4, 2
+GLOBAL_BATCH = BATCH_SIZE * WORLD
+NAMES = sorted(CASES)
+PLANS = {"auto": "auto", "zero3": "zero=3"}
+
+
+@pytest.fixture(autouse=True)
+def restore_environment():
+    """The in-process reference Trainer writes PL_* and rank variables into os.environ: undo it for later tests."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def train_loader(data: dict):
+    if "datamodule" in data:
+        data["datamodule"].setup("fit")
+        return data["datamodule"].train_dataloader()
+    return data["train_dataloaders"]
+
+
+def reference(case: Case) -> dict:
+    """One plain Lightning process over the same global batches, in micro-batches the way the strategy cuts them."""
+    seed_everything(0)
+    module, data = case.module(), case.data()
+    micro = BATCH_SIZE if case.batch_dependent else GLOBAL_BATCH
+    gas = GLOBAL_BATCH // micro
+    steps = step_loader(inspect_training_loader(train_loader(data)), global_batch_size=GLOBAL_BATCH, dp_size=1, dp_rank=0,
+                        gas=gas, seed=0, first_step=lambda: 0)
+    batches = [batch for step in itertools.islice(steps, STEPS) for batch in step]
+    trainer = Trainer(accelerator="cpu", devices=1, max_steps=STEPS, accumulate_grad_batches=gas, logger=False, num_sanity_val_steps=0,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **case.trainer)
+    trainer.fit(module, train_dataloaders=DataLoader(batches, batch_size=None))  # a list would be read as several loaders
+    state = {k: v.detach().clone().float() for k, v in module.state_dict().items()}
+    if case.batch_dependent:  # evaluation batches matter too: each replica evaluates its own share, metrics averaged
+        return {"state": state, **sharded_evaluation(trainer, module, data["val_dataloaders"])}
+    evaluation = evaluation_kwargs(data)
+    return {
+        "state": state,
+        "validate": trainer.validate(module, **evaluation, verbose=False)[0],
+        "test": trainer.test(module, **evaluation, verbose=False)[0],
+        "predict": torch.cat(trainer.predict(module, **evaluation))[0::WORLD],
+    }
+
+
+def sharded_evaluation(trainer: Trainer, module, loader: DataLoader) -> dict:
+    """What WORLD data-parallel replicas report when each evaluates the samples r, r + WORLD, ... (Lightning's
+    DistributedSampler) in batches of the loader's size: the mean of their metrics, and rank 0's predictions."""
+    shards = [DataLoader(Subset(loader.dataset, range(r, len(loader.dataset), WORLD)), batch_size=loader.batch_size) for r in range(WORLD)]
+    out = {}
+    for stage, run in (("validate", trainer.validate), ("test", trainer.test)):
+        metrics = [run(module, dataloaders=shard, verbose=False)[0] for shard in shards]
+        out[stage] = {k: sum(m[k] for m in metrics) / WORLD for k in metrics[0]}
+    out["predict"] = torch.cat(trainer.predict(module, dataloaders=shards[0]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def references() -> dict[str, dict]:
+    return {name: reference(CASES[name]) for name in NAMES}
+
+
+@pytest.fixture(scope="module", params=list(PLANS))
+def trained(request, tmp_path_factory) -> tuple[str, dict[str, dict]]:
+    """Every case trained on 2 processes under one plan setting, in one job."""
+    tmp = tmp_path_factory.mktemp(f"zoo-{request.param}")
+    results, log = run_worker(tmp, "--cases", ",".join(NAMES), "--plan", PLANS[request.param], "--steps", str(STEPS),
+                              worker=WORKER, timeout=1200)
+    return request.param, {r["case"]: r for r in results}
+
+
+def tolerance(case: Case) -> float:
+    """Weights: summation order only (2e-5); an adaptive optimizer turns rounding-level gradient differences into
+    update differences of up to its learning rate on near-zero gradients (1e-3 here); bf16 to its precision."""
+    if case.trainer.get("precision", "").startswith("bf16"):
+        return 2e-2
+    optimizer = case.module().configure_optimizers()
+    return 1e-3 if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) else 2e-5
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_case_trains_like_one_process(name, trained, references):
+    setting, results = trained
+    case, result, ref = CASES[name], trained[1][name], references[name]
+    assert result["global_step"] == STEPS
+    if setting == "zero3":
+        assert ",zero=3," in result["plan"]
+    if case.batch_dependent:  # the strategy keeps the DataLoader's batch size as the micro-batch for such losses
+        assert result["batch_dependent"] and f",mbs={BATCH_SIZE}," in result["plan"], result["plan"]
+    atol = tolerance(case)
+    buffers = {n for n, _ in case.module().named_buffers()} if "batchnorm" in case.features else set()
+    for key, tensor in ref["state"].items():
+        if key not in buffers:
+            torch.testing.assert_close(result["state"][key], tensor, atol=atol, rtol=0, msg=f"{name} ({setting}): {key}")
+    if "batchnorm" in case.features:
+        return
+    for stage in ("validate", "test"):
+        for metric, value in ref[stage].items():
+            assert result[stage][metric] == pytest.approx(value, rel=10 * atol, abs=atol), f"{name} ({setting}) {stage} {metric}"
+    torch.testing.assert_close(result["predict"].float(), ref["predict"].float(), atol=atol, rtol=0)

@@ -1,0 +1,62 @@
+"""Worker for the zoo tests: train every named zoo case under strategy "fleet" on 2 processes, then validate, test and
+predict with the same Trainer; rank 0 writes what a single process must reproduce.
+
+    python tests/workers/zoo_worker.py --cases item_logging,llama --plan auto --steps 4 --out /tmp/r.pt
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+from lightning.pytorch import Trainer, seed_everything  # noqa: E402
+
+import lightning_fleet  # noqa: E402
+from tests.zoo import CASES, Case, evaluation_kwargs  # noqa: E402
+
+QUIET = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+
+
+def run_case(case: Case, plan: str | None, cluster: str | None, steps: int) -> dict:
+    """Fit, then validate/test/predict one case; the module's weights after fit and what each stage returned."""
+    seed_everything(0)
+    module, data = case.module(), case.data()
+    strategy = lightning_fleet.FleetStrategy(plan=plan, cluster=cluster)
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, **QUIET, **case.trainer)
+    trainer.fit(module, **data)
+    state = {k: v.detach().clone().float() for k, v in module.state_dict().items()}
+    evaluation = evaluation_kwargs(data)
+    return {
+        "case": case.name,
+        "plan": str(trainer.strategy.plan),
+        "profile": trainer.strategy.profile.method.value,
+        "batch_dependent": trainer.strategy.profile.batch_dependent,
+        "global_step": trainer.global_step,
+        "state": state,
+        "validate": trainer.validate(module, **evaluation, verbose=False)[0],
+        "test": trainer.test(module, **evaluation, verbose=False)[0],
+        "predict": torch.cat(trainer.predict(module, **evaluation)),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--cases", required=True, help="comma-separated zoo case names")
+    parser.add_argument("--plan", default="auto", help="'auto' or a (partial) plan string")
+    parser.add_argument("--cluster", default=None, help="cluster preset or YAML (default: measure this machine)")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    plan = None if args.plan == "auto" else args.plan
+    results = [run_case(CASES[name], plan, args.cluster, args.steps) for name in args.cases.split(",")]
+    if int(torch.distributed.get_rank()) == 0:
+        torch.save(results, args.out)
+
+
+if __name__ == "__main__":
+    main()
