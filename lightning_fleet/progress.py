@@ -2,7 +2,7 @@
 
 Every ``Trainer(log_every_n_steps)`` optimizer steps, when the Trainer has no progress bar, one line:
 
-    lightning_fleet: step 30/60  loss 2.413  0.271 s/step (predicted 0.275, 0.99x)  eta 8 s
+    lightning_fleet: step 30/60  loss 2.413  val_loss 2.398  0.271 s/step (predicted 0.275, 0.99x)  eta 8 s
 
 and at the end of training, progress bar or not, a summary: steps and samples, wall time, measured
 against predicted step time, the plan, the last loss, and where the checkpoints are.
@@ -27,6 +27,12 @@ def loss_of(outputs: Any, metrics: Mapping[str, Any]) -> float | None:
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         return float(value.detach().float())
     return float(value) if isinstance(value, (int, float)) else None
+
+
+def validation_loss(metrics: Mapping[str, Any]) -> float | None:
+    """The last logged validation loss (a metric named val*loss*), if any."""
+    value = next((v for k, v in metrics.items() if k.startswith("val") and "loss" in k), None)
+    return float(value) if isinstance(value, torch.Tensor) and value.numel() == 1 else None
 
 
 class FleetProgress(Callback):
@@ -74,6 +80,9 @@ class FleetProgress(Callback):
         parts = [f"lightning_fleet: step {trainer.global_step}" + (f"/{trainer.max_steps}" if trainer.max_steps > 0 else "")]
         if self.last_loss is not None and math.isfinite(self.last_loss):
             parts.append(f"loss {self.last_loss:.4g}")
+        validated = validation_loss(trainer.callback_metrics)
+        if validated is not None:
+            parts.append(f"val_loss {validated:.4g}")
         parts.append(self._versus_prediction(trainer))
         measured = self._measured()
         if trainer.max_steps > 0 and measured is not None:
@@ -90,7 +99,8 @@ class FleetProgress(Callback):
         if plan is not None:
             lines.append(f"  plan     {plan}")
         if self.last_loss is not None:
-            lines.append(f"  loss     {self.last_loss:.4g} at step {trainer.global_step}")
+            validated = validation_loss(trainer.callback_metrics)
+            lines.append(f"  loss     {self.last_loss:.4g} at step {trainer.global_step}" + (f", val_loss {validated:.4g}" if validated is not None else ""))
         resumed = getattr(trainer.strategy, "resumed_from", None)
         if resumed is not None:
             lines.append(f"  resumed  from {resumed}")
