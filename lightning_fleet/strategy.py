@@ -51,6 +51,7 @@ from lightning_fleet.planning import (
 )
 from lightning_fleet.planning import plan as search_plans
 from lightning_fleet.planning.cluster import GIB
+from lightning_fleet.planning.plan import field_text
 from lightning_fleet.progress import FleetProgress
 from lightning_fleet.registration import PRESETS
 from lightning_fleet.profiling import Profile, find_layers, profile, tensor_parallel_hook
@@ -73,7 +74,8 @@ class FleetStrategy(DeepSpeedStrategy):
     ``Trainer(strategy="fleet")`` after ``import lightning_fleet``; or ``FleetStrategy(...)`` with:
 
     Args:
-        plan: force a layout, e.g. ``"dp=2,zero=3,mbs=4"`` (validated against the world); None: plan it.
+        plan: fix axes of the layout, e.g. ``"zero=3"`` or ``"dp=2,zero=3,mbs=4"``: the keys given are fixed, the planner
+            chooses the rest (validated against the world, the module and the runtime); None: plan everything.
         global_batch_size: samples per optimizer step; None: the training DataLoader's batch size
             times the world size (what plain DDP would use).
         cluster: cluster YAML path, preset name or ClusterSpec overriding detection; None: measure
@@ -273,8 +275,8 @@ class FleetStrategy(DeepSpeedStrategy):
         return optimizers[0], schedulers[0] if schedulers else None
 
     def teardown(self) -> None:
-        """Undo what this strategy changed on the user's module for training (gradient zeroing, recomputation wrappers,
-        the pipeline's manual stepping); the engine itself stays until an evaluation or another fit needs the module."""
+        """Undo what this strategy changed on the user's module for training (gradient zeroing, recomputation wrappers);
+        the engine stays, for ``trainer.save_checkpoint`` after fit."""
         self._undo_module_patches()
         super().teardown()
 
@@ -317,7 +319,7 @@ class FleetStrategy(DeepSpeedStrategy):
         self._release_engine()
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
-        self._use_evaluation_precision(trainer)
+        self._use_evaluation_precision()
         self.model = self.lightning_module
         self.model_to_device()
         self.barrier("fleet-evaluation-setup")
@@ -345,7 +347,7 @@ class FleetStrategy(DeepSpeedStrategy):
         if self._engine is not None and self._module_record is not None:
             restore_module(self, self._module_record)
 
-    def _use_evaluation_precision(self, trainer) -> None:  # type: ignore[no-untyped-def]
+    def _use_evaluation_precision(self) -> None:
         """Without an engine, mixed precision is autocast (DeepSpeed casts the module itself during fit)."""
         from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision
         from lightning.pytorch.plugins.precision import Precision as PlainPrecision
@@ -513,7 +515,7 @@ class FleetStrategy(DeepSpeedStrategy):
     def _format_batch_size_and_grad_accum_config(self) -> None:
         """Micro-batch and accumulation come from the plan, not from the Trainer's flags."""
         assert isinstance(self.config, dict)
-        if self.plan is None:  # validate/test/predict without fit: one sample per step is fine
+        if self.plan is None:  # Lightning may read the config before a fit planned it (e.g. tensor_init_context)
             self.config.setdefault("train_micro_batch_size_per_gpu", 1)
             self.config.setdefault("gradient_accumulation_steps", 1)
 
@@ -528,13 +530,8 @@ class FleetStrategy(DeepSpeedStrategy):
         example = example_batch(self._data, self._data.batch_size)
         gbs = self.global_batch_size or self._data.batch_size * self.world_size
         manifest = self._resume_manifest()
-        if manifest is not None:  # the optimisation continues: same global batch whatever the new world
-            if self.global_batch_size is not None and self.global_batch_size != manifest["global_batch_size"]:
-                raise FleetError(
-                    f"FleetStrategy(global_batch_size={self.global_batch_size}) but checkpoint {self._auto_resume} was trained with "
-                    f"{manifest['global_batch_size']}: keep it, or start in a new checkpoint_dir"
-                )
-            gbs = manifest["global_batch_size"]
+        if manifest is not None:  # the optimisation continues: same global batch whatever the new world (an explicit
+            gbs = manifest["global_batch_size"]  # other one made the checkpoint incompatible: elastic/compatibility.py)
         precision = _precision_of(trainer)
         started = time.perf_counter()
         self.profile = profile(module, example, global_batch_size=gbs, precision=precision, name=type(module).__name__)
@@ -617,11 +614,18 @@ class FleetStrategy(DeepSpeedStrategy):
         """The plan string (rank 0 only: it prints the table)."""
         assert self.model_spec is not None and self.cluster is not None
         spec, cluster, manifest = self.model_spec, self.cluster, self._resume_manifest()
-        if self.forced_plan is None and manifest is not None and manifest["world_size"] == self.world_size:
-            resumed = parse_plan(manifest["plan"], global_batch_size=spec.global_batch_size)  # same world: continue exactly
-            _print_table(estimate(spec, cluster, resumed), None, cluster, [*self._profile_lines(), "plan     the checkpoint's"])
-            return str(resumed)
         partial, notes = self._fixed_axes()
+        if manifest is not None and manifest["world_size"] == self.world_size:  # same world: continue exactly
+            resumed = parse_plan(manifest["plan"], global_batch_size=spec.global_batch_size)
+            clash = {k: v for k, v in partial.fixed.items() if getattr(resumed, k) != v}
+            if clash:
+                raise FleetError(
+                    f"checkpoint {self._auto_resume} was trained with plan {resumed}, but this job fixes "
+                    f"{', '.join(f'{k}={field_text(v)}' for k, v in clash.items())}: drop those from plan=/micro_batch_size= to "
+                    "continue it, or start in another checkpoint_dir"
+                )
+            _print_table(estimate(spec, cluster, resumed), None, cluster, [*notes, f"resumed  {self._auto_resume}: its plan continues"])
+            return str(resumed)
         constraints = self._constraints()
         _check_runtime_supports(partial, constraints, self.lightning_module)
         constraints = partial.constraints(constraints)
@@ -645,12 +649,17 @@ class FleetStrategy(DeepSpeedStrategy):
             partial = partial.fix(mbs=self.micro_batch_size)
             notes.append(f"fixed    mbs={self.micro_batch_size} (FleetStrategy(micro_batch_size=...))")
         elif profiled is not None and profiled.batch_dependent and partial.mbs is None and self._data is not None:
-            mbs = self._data.batch_size
-            if self.model_spec.global_batch_size % mbs == 0:
+            mbs, gbs = self._data.batch_size, self.model_spec.global_batch_size
+            if gbs % mbs == 0:
                 partial = partial.fix(mbs=mbs)
                 notes.append(
                     f"fixed    mbs={mbs}: the loss depends on the micro-batch (BatchNorm, in-batch negatives or a summed loss), "
                     "so the DataLoader's batch size stays the micro-batch; pass micro_batch_size=N to choose another"
+                )
+            else:
+                notes.append(
+                    f"note     the loss depends on the micro-batch, but the DataLoader's batch size {mbs} does not divide the "
+                    f"global batch {gbs}: the planner chooses it; pass micro_batch_size=N to pin one"
                 )
         elif profiled is not None and profiled.batch_dependent is None and partial.mbs is None:
             notes.append("note     whether the loss depends on the micro-batch is unknown; pass micro_batch_size=N to pin it")

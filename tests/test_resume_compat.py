@@ -91,3 +91,13 @@ def test_facts_compare_shapes_dtypes_and_missing_tensors():
     assert "'tok.weight' is 256x32 float32 in the checkpoint but 256x64 float32 in this module" in incompatibility(a, wider)
     assert incompatibility({"step": 3}, a) == ""  # a manifest from before facts were recorded
     assert incompatibility(a, {**a, "global_batch_size": None}) == ""  # the job does not fix it
+
+
+def test_a_plan_that_contradicts_the_checkpoints_is_one_line_and_a_compatible_one_continues(tmp_path):
+    """Same world: the checkpoint's plan continues when the job's fixed keys agree with it, else one line says which clash."""
+    fit(tmp_path, plan="zero=1")
+    assert fit(tmp_path, steps=3, plan="zero=1").strategy.plan.zero == 1
+    with pytest.raises(FleetError) as err:
+        fit(tmp_path, steps=4, plan="zero=2")
+    message = str(err.value)
+    assert "\n" not in message and "but this job fixes zero=2: drop those from plan=/micro_batch_size=" in message
