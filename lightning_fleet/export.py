@@ -424,7 +424,7 @@ def _is_floating(dtype: str) -> bool:
 def restore_module(strategy: Any, record: ModuleRecord) -> None:
     """End of fit (collective): the strategy's LightningModule becomes a plain module again, with the trained weights.
 
-    AutoTP's layers are replaced by the original ones, every parameter becomes an ordinary full tensor in its
+    AutoTP's layers are replaced by the original ones, every parameter becomes an ordinary full tensor on the CPU in its
     original dtype (fresh objects: DeepSpeed's partitioned ones stay with the engine), buffers are whole,
     DeepSpeed's hooks and attributes are gone and the user's own hooks are kept. Every rank ends with the same
     weights (pipeline stages included). The engine goes on training nothing but keeps a mirror of the tree it
@@ -435,7 +435,9 @@ def restore_module(strategy: Any, record: ModuleRecord) -> None:
         return
     full = full_state_dict(strategy, record)
     _hand_engine_its_mirror(engine)
-    _restore_tree(record, full, strategy.root_device)
+    # on the CPU, where Lightning's teardown puts a trained module anyway: a model that needed its parameters
+    # partitioned to train would not fit on one accelerator whole
+    _restore_tree(record, full, torch.device("cpu"))
     setattr(engine, _RESTORED, True)
 
 
