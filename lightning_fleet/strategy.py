@@ -25,11 +25,11 @@ from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 
 from lightning_fleet import calibrate
+from lightning_fleet.data import TrainingData, example_batch, inspect_training_loader, step_loader
 from lightning_fleet.elastic.callback import FleetCheckpoint, set_rng_state
 from lightning_fleet.elastic.checkpoint import MANIFEST, committed, newest_verified, refuse_unsafe_pickles, set_aside, verify
 from lightning_fleet.elastic.compatibility import RESUME_POLICIES, incompatibility, job_facts
 from lightning_fleet.elastic.reshard import make_universal
-from lightning_fleet.data import TrainingData, example_batch, inspect_training_loader, step_loader
 from lightning_fleet.elastic.sampler import MicroBatches
 from lightning_fleet.elastic.worker import announce_launch_advice, deterministic_errors, install_error_hook, open_process_group
 from lightning_fleet.export import lightning_checkpoint, record_module, restore_module, write_layout
@@ -39,11 +39,11 @@ from lightning_fleet.planning import (
     FleetError,
     ModelSpec,
     Offload,
+    PartialPlan,
     Plan,
     PlanResult,
     Precision,
     Recompute,
-    PartialPlan,
     estimate,
     load_cluster,
     parse_partial_plan,
@@ -52,11 +52,17 @@ from lightning_fleet.planning import (
 from lightning_fleet.planning import plan as search_plans
 from lightning_fleet.planning.cluster import GIB
 from lightning_fleet.planning.plan import field_text
+from lightning_fleet.profiling import Profile, find_layers, profile, tensor_parallel_hook
 from lightning_fleet.progress import FleetProgress
 from lightning_fleet.registration import PRESETS
-from lightning_fleet.profiling import Profile, find_layers, profile, tensor_parallel_hook
 from lightning_fleet.runtime.deepspeed_config import deepspeed_config, runtime_constraints
-from lightning_fleet.runtime.pipeline import build_pipeline, local_optimizer, micro_batch_iterator, pipeline_hook, sync_stage_weights
+from lightning_fleet.runtime.pipeline import (
+    build_pipeline,
+    local_optimizer,
+    micro_batch_iterator,
+    pipeline_hook,
+    sync_stage_weights,
+)
 
 _PRECISIONS = {
     "32-true": Precision.FP32,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from lightning_fleet.planning import (
@@ -59,3 +61,13 @@ def cluster() -> ClusterSpec:
 @pytest.fixture
 def model():
     return make_model()
+
+
+@pytest.fixture
+def restore_environment():
+    """An in-process Trainer writes RANK, LOCAL_RANK, MASTER_PORT, PL_* into os.environ: undo it for later tests
+    (modules with in-process Trainers use it for every test: ``pytestmark = pytest.mark.usefixtures(...)``)."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)

@@ -11,6 +11,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "workers" / "train_gpt.py"
+QUIET_TRAINER = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+"""Trainer keywords of the tests' and workers' Trainers: no logger, checkpoints, progress bar or model summary."""
 
 
 def free_port() -> int:

@@ -38,6 +38,7 @@ from lightning_fleet.data import (
 )
 from lightning_fleet.elastic.sampler import MicroBatches
 from lightning_fleet.planning import FleetError
+from tests.multiprocess import QUIET_TRAINER
 
 SEED = 7
 G = 8  # global batch
@@ -504,10 +505,7 @@ def lightning_fit(module, max_steps: int, ckpt_path=None):
         accelerator="cpu",
         devices=1,
         max_steps=max_steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **QUIET_TRAINER,
         num_sanity_val_steps=0,
     )
     trainer.fit(module, ckpt_path=ckpt_path)

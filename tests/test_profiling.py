@@ -20,6 +20,7 @@ from lightning_fleet import profiling
 from lightning_fleet.planning import Role
 from lightning_fleet.planning.model import layer_elementwise, layer_flops
 from lightning_fleet.profiling import Method, find_layers, profile, profile_module
+from tests.multiprocess import QUIET_TRAINER
 
 
 class _Block(nn.Module):
@@ -397,8 +398,7 @@ class _ProfileAtSetup(Callback):
 
 def test_manual_optimization_profiles_at_setup_without_loading_data_early(tmp_path) -> None:
     callback = _ProfileAtSetup()
-    trainer = Trainer(default_root_dir=tmp_path, max_epochs=1, accelerator="cpu", devices=1, logger=False, callbacks=[callback],
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = Trainer(default_root_dir=tmp_path, max_epochs=1, accelerator="cpu", devices=1, callbacks=[callback], **QUIET_TRAINER)
     trainer.fit(_Gan())
     assert callback.result.method is Method.META, callback.result.fallback_reason
     assert not callback.data_loaded and callback.logged == {}

@@ -12,6 +12,7 @@ from lightning.pytorch import Trainer, seed_everything
 
 from lightning_fleet.planning import Role
 from lightning_fleet.profiling import Method, find_layers, profile
+from tests.multiprocess import QUIET_TRAINER
 from tests.zoo import CASES, Case, example_batch, snapshot_differences, state_snapshot
 
 
@@ -28,10 +29,7 @@ def _fitted(case: Case, root: Path) -> tuple[torch.nn.Module, Trainer]:
         limit_val_batches=1,
         val_check_interval=1,
         num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **QUIET_TRAINER,
         **case.trainer,
     )
     trainer.fit(module, **case.data())

@@ -4,7 +4,6 @@ in the manifest and compared before anything is loaded; a mismatch is one line (
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 from lightning.pytorch import Trainer, seed_everything
@@ -15,24 +14,15 @@ from examples.gpt.model import GPT
 from lightning_fleet.elastic.checkpoint import MANIFEST, SET_ASIDE, committed
 from lightning_fleet.elastic.compatibility import incompatibility, job_facts
 from lightning_fleet.planning import FleetError
+from tests.multiprocess import QUIET_TRAINER
 
-
-@pytest.fixture(autouse=True)
-def restore_environment():
-    """An in-process Trainer writes RANK, LOCAL_RANK, MASTER_PORT, PL_* into os.environ: undo it for later tests."""
-    saved = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
+pytestmark = pytest.mark.usefixtures("restore_environment")  # in-process Trainers change os.environ
 
 
 def fit(tmp_path, layers: int = 2, seed: int = 0, steps: int = 2, **strategy_kwargs) -> Trainer:
     seed_everything(seed)
     strategy = lightning_fleet.FleetStrategy(checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every_n_steps=1, **strategy_kwargs)
-    trainer = Trainer(
-        accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-    )
+    trainer = Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, limit_val_batches=0, **QUIET_TRAINER)
     trainer.fit(GPT(num_layers=layers, hidden_size=32, num_heads=4, seq_length=32), StdlibText(seq_length=32, batch_size=4, limit_bytes=20_000))
     return trainer
 

@@ -10,7 +10,8 @@ from torch import nn
 import lightning_fleet
 from examples.gpt.data import StdlibText
 from examples.gpt.model import GPT
-from lightning_fleet.planning import FleetError, NoFeasiblePlanError, PlanError, SpecError  # noqa: F401
+from lightning_fleet.planning import FleetError, NoFeasiblePlanError, PlanError, SpecError
+from tests.multiprocess import QUIET_TRAINER
 
 
 class NoHooks(LightningModule):
@@ -29,15 +30,7 @@ class NoHooks(LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-@pytest.fixture(autouse=True)
-def restore_environment():
-    """An in-process Trainer writes RANK, LOCAL_RANK, MASTER_PORT, PL_* into os.environ: undo it for later tests."""
-    import os
-
-    saved = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
+pytestmark = pytest.mark.usefixtures("restore_environment")  # in-process Trainers change os.environ
 
 
 def fit(strategy, module=None, **trainer_kwargs) -> Trainer:
@@ -46,10 +39,7 @@ def fit(strategy, module=None, **trainer_kwargs) -> Trainer:
         devices=1,
         strategy=strategy,
         max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **QUIET_TRAINER,
         limit_val_batches=0,
         **trainer_kwargs,
     )

@@ -239,7 +239,7 @@ GAS = 4
 FWD, BWD = 0.01, 0.02  # forward and backward of one micro-batch, seconds
 
 
-def _dp(zero: int, overlap: float, *, dp: int = 8) -> float:
+def _dp(zero: int, overlap: float, *, dp: int = 8, **trainable: float) -> float:
     return dp_comm_s(
         4e9,
         tp=4,
@@ -251,6 +251,7 @@ def _dp(zero: int, overlap: float, *, dp: int = 8) -> float:
         forward_time_s=FWD,
         backward_time_s=BWD,
         overlap=overlap,
+        **trainable,
     )
 
 
@@ -446,20 +447,7 @@ AG_T = 7 * 5e-6 + 7 / 8 * 5e8 / 100e9  # 3.5e-5 + 0.004375 = 0.00441 (the update
     ],
 )
 def test_dp_comm_s_of_a_partly_frozen_stage(zero: int, expected: float) -> None:
-    got = dp_comm_s(
-        4e9,
-        tp=4,
-        dp=8,
-        zero=zero,
-        gas=GAS,
-        precision=Precision.BF16_MIXED,
-        link=LINK,
-        forward_time_s=FWD,
-        backward_time_s=BWD,
-        overlap=0.0,
-        trainable=1e9,
-    )
-    assert got == pytest.approx(expected, rel=REL)
+    assert _dp(zero, 0.0, trainable=1e9) == pytest.approx(expected, rel=REL)
 
 
 @pytest.mark.parametrize(

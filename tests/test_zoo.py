@@ -15,7 +15,6 @@ to bf16 precision (DeepSpeed keeps bf16 weights and fp32 masters where Lightning
 from __future__ import annotations
 
 import itertools
-import os
 
 import pytest
 import torch
@@ -23,7 +22,7 @@ from lightning.pytorch import Trainer, seed_everything
 from torch.utils.data import DataLoader, Subset
 
 from lightning_fleet.data import inspect_training_loader, step_loader
-from tests.multiprocess import ROOT, run_worker
+from tests.multiprocess import QUIET_TRAINER, ROOT, run_worker
 from tests.zoo import BATCH_SIZE, CASES, Case, evaluation_kwargs
 
 WORKER = ROOT / "tests" / "workers" / "zoo_worker.py"
@@ -33,13 +32,7 @@ NAMES = sorted(CASES)
 PLANS = {"auto": "auto", "zero3": "zero=3"}
 
 
-@pytest.fixture(autouse=True)
-def restore_environment():
-    """The in-process reference Trainer writes PL_* and rank variables into os.environ: undo it for later tests."""
-    saved = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
+pytestmark = pytest.mark.usefixtures("restore_environment")  # in-process Trainers change os.environ
 
 
 def train_loader(data: dict):
@@ -58,8 +51,8 @@ def reference(case: Case) -> dict:
     steps = step_loader(inspect_training_loader(train_loader(data)), global_batch_size=GLOBAL_BATCH, dp_size=1, dp_rank=0,
                         gas=gas, seed=0, first_step=lambda: 0)
     batches = [batch for step in itertools.islice(steps, STEPS) for batch in step]
-    trainer = Trainer(accelerator="cpu", devices=1, max_steps=STEPS, accumulate_grad_batches=gas, logger=False, num_sanity_val_steps=0,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **case.trainer)
+    trainer = Trainer(accelerator="cpu", devices=1, max_steps=STEPS, accumulate_grad_batches=gas, num_sanity_val_steps=0,
+                      **QUIET_TRAINER, **case.trainer)
     trainer.fit(module, train_dataloaders=DataLoader(batches, batch_size=None))  # a list would be read as several loaders
     state = {k: v.detach().clone().float() for k, v in module.state_dict().items()}
     if case.batch_dependent:  # evaluation batches matter too: each replica evaluates its own share, metrics averaged

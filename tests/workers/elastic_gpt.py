@@ -27,6 +27,7 @@ from lightning.pytorch import Callback, Trainer, seed_everything  # noqa: E402
 import lightning_fleet  # noqa: E402
 from examples.gpt.data import StdlibText  # noqa: E402
 from examples.gpt.model import GPT  # noqa: E402
+from tests.multiprocess import QUIET_TRAINER  # noqa: E402
 from tests.workers.train_gpt import DATA, SIZES, eval_batch, full_state  # noqa: E402
 
 
@@ -96,10 +97,7 @@ def main() -> None:
             plan=args.plan, global_batch_size=args.gbs, zero_stages=tuple(int(z) for z in args.zero_stages.split(","))
         ),
         max_steps=args.steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **QUIET_TRAINER,
         limit_val_batches=0,
         callbacks=[checkpoint, Recorder(dm.train_set, out, args.sleep, args.sleep_only_alone)],
     )

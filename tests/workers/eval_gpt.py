@@ -22,9 +22,10 @@ from lightning.pytorch import Trainer, seed_everything  # noqa: E402
 import lightning_fleet  # noqa: E402
 from examples.gpt.data import StdlibText  # noqa: E402
 from examples.gpt.model import GPT  # noqa: E402
+from tests.multiprocess import QUIET_TRAINER  # noqa: E402
 from tests.workers.train_gpt import DATA, SIZES  # noqa: E402
 
-QUIET = dict(accelerator="cpu", devices=2, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+QUIET = dict(accelerator="cpu", devices=2, **QUIET_TRAINER)
 
 
 def evaluate(trainer: Trainer, model: GPT, dm: StdlibText, ckpt_path: str | None = None) -> dict:

@@ -27,6 +27,7 @@ from examples.gpt.data import StdlibText  # noqa: E402
 from examples.gpt.model import GPT  # noqa: E402
 from lightning_fleet.export import full_state_dict, record_module, restore_module  # noqa: E402
 from lightning_fleet.strategy import FleetStrategy  # noqa: E402
+from tests.multiprocess import QUIET_TRAINER  # noqa: E402
 from tests.workers.tied_gpt import TiedGPT  # noqa: E402
 from tests.workers.train_gpt import DATA, SIZES, eval_batch  # noqa: E402
 
@@ -124,10 +125,7 @@ def main() -> None:
             strategy=strategy,
             max_steps=args.steps,
             precision=args.precision,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
+            **QUIET_TRAINER,
             limit_val_batches=0,
             num_sanity_val_steps=0,
         )

@@ -24,6 +24,7 @@ import lightning_fleet  # noqa: E402
 from examples.gpt.data import StdlibText  # noqa: E402
 from examples.gpt.model import GPT  # noqa: E402
 from lightning_fleet.planning import FleetError  # noqa: E402
+from tests.multiprocess import QUIET_TRAINER  # noqa: E402
 from tests.workers.train_gpt import DATA, SIZES  # noqa: E402
 
 
@@ -59,10 +60,7 @@ def main() -> None:
         devices=args.devices,  # under torchrun the strategy takes the world from the launcher
         strategy=lightning_fleet.FleetStrategy(plan=args.plan, global_batch_size=8),
         max_steps=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **QUIET_TRAINER,
         limit_val_batches=0,
         callbacks=[FailAtStart(args.fail_on_rank, args.value_error)],
     )

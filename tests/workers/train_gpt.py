@@ -22,6 +22,7 @@ from lightning.pytorch import Trainer, seed_everything  # noqa: E402
 import lightning_fleet  # noqa: E402
 from examples.gpt.data import StdlibText  # noqa: E402
 from examples.gpt.model import GPT  # noqa: E402
+from tests.multiprocess import QUIET_TRAINER  # noqa: E402
 
 SIZES = dict(num_layers=2, hidden_size=32, num_heads=4, seq_length=32)
 DATA = dict(seq_length=32, batch_size=4, limit_bytes=60_000)
@@ -67,10 +68,7 @@ def main() -> None:
             strategy=strategy,
             precision=args.precision,
             max_steps=args.steps,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
+            **QUIET_TRAINER,
             limit_val_batches=0,
             num_sanity_val_steps=0,
         )

@@ -17,9 +17,10 @@ import torch  # noqa: E402
 from lightning.pytorch import Trainer, seed_everything  # noqa: E402
 
 import lightning_fleet  # noqa: E402
+from tests.multiprocess import QUIET_TRAINER  # noqa: E402
 from tests.zoo import CASES, Case, evaluation_kwargs  # noqa: E402
 
-QUIET = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
+QUIET = dict(**QUIET_TRAINER, num_sanity_val_steps=0)
 
 
 def run_case(case: Case, plan: str | None, cluster: str | None, steps: int) -> dict:
