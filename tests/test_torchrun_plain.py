@@ -287,6 +287,24 @@ def test_deterministic_error_ends_a_plain_torchrun_job_at_once(tmp_path):
     assert elapsed < 90
 
 
+def test_a_checkpoint_of_another_job_ends_the_job_at_once(tmp_path):
+    """A changed data-order seed against a checkpoint dir of the same model: refused in one line, in one attempt, not
+    retried --max-restarts times (each retry would refuse it again)."""
+    ckpt = tmp_path / "ckpt"
+    first = start([*TORCHRUN, "--nproc-per-node=2", "--master-addr=127.0.0.1", f"--master-port={free_port()}", str(FAILING),
+                   "--checkpoint-dir", str(ckpt), "--seed", "0"], tmp_path)
+    assert finish(first, timeout=180) == 0, output(tmp_path)[-3000:]
+    (tmp_path / "out.log").unlink()
+    (tmp_path / "err.log").unlink()
+    cmd = [*TORCHRUN, "--nproc-per-node=2", "--max-restarts=3", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+           str(FAILING), "--checkpoint-dir", str(ckpt), "--seed", "1", "--dir", str(tmp_path)]
+    code = finish(start(cmd, tmp_path), timeout=180)
+    log = output(tmp_path)
+    lines = error_lines(log)
+    assert code == 1 and len(lines) == 1 and "its data order was seeded with 0, this job seeds it with 1" in lines[0], log[-3000:]
+    assert sorted((tmp_path / "starts.txt").read_text().split("\n")[:-1]) == ["0 0", "1 0"]  # one attempt
+
+
 def test_deterministic_error_under_fleet_launch_exits_2(tmp_path):
     """The same through fleet launch: exit code 2 and no line of the launcher's own."""
     cmd = [sys.executable, "-m", "lightning_fleet", "launch", "--nproc-per-node=2", "--max-restarts=3", str(FAILING),

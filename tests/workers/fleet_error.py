@@ -6,6 +6,8 @@
 ``--plan`` forces a plan (a bad one fails at start-up on every rank); ``--fail-on-rank R`` raises a FleetError
 at the start of training on rank R only; ``--value-error`` raises a ValueError there on every rank. With ``--dir``
 every process appends ``<RANK> <TORCHELASTIC_RESTART_COUNT>`` to ``<dir>/starts.txt`` as it starts.
+``--checkpoint-dir`` and ``--seed`` train with checkpoints there under that data-order seed (a second run with
+another seed meets a checkpoint of another job).
 """
 
 from __future__ import annotations
@@ -48,17 +50,19 @@ def main() -> None:
     parser.add_argument("--fail-on-rank", type=int, default=None)
     parser.add_argument("--value-error", action="store_true")
     parser.add_argument("--dir", default=None)
+    parser.add_argument("--checkpoint-dir", default=None)
+    parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if args.dir is not None:
         rank = os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         with open(Path(args.dir) / "starts.txt", "a") as f:
             f.write(f"{rank} {attempt}\n")
-    seed_everything(0)
+    seed_everything(args.seed)
     trainer = Trainer(
         accelerator="cpu",
         devices=args.devices,  # under torchrun the strategy takes the world from the launcher
-        strategy=lightning_fleet.FleetStrategy(plan=args.plan, global_batch_size=8),
+        strategy=lightning_fleet.FleetStrategy(plan=args.plan, global_batch_size=8, checkpoint_dir=args.checkpoint_dir),
         max_steps=2,
         **QUIET_TRAINER,
         limit_val_batches=0,
