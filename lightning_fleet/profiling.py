@@ -51,6 +51,7 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
+from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
@@ -397,6 +398,25 @@ def _tensors_in(value: Any, depth: int = 2) -> Iterator[Any]:
             yield from _tensors_in(item, depth - 1)
 
 
+SHARED_ARRAY_BYTES = 1 << 20
+"""numpy arrays at least this large are shared with the copy, not copied (see :func:`_shared_in`)."""
+
+
+def _shared_in(value: Any, depth: int = 2) -> Iterator[Any]:
+    """Objects an attribute holds that the copy shares with the module instead of copying: data sources (Dataset,
+    DataLoader, Sampler: a LightningModule often keeps its data set from ``setup()``, and a copy would hold the data
+    twice per profiling run, on every rank) and numpy arrays of SHARED_ARRAY_BYTES or more. A training_step reads them;
+    one that changed them in place would change the module's."""
+    if isinstance(value, (Dataset, DataLoader, Sampler)) or (hasattr(value, "__array_interface__") and getattr(value, "nbytes", 0) >= SHARED_ARRAY_BYTES):
+        yield value
+    elif depth and isinstance(value, (list, tuple, set, frozenset)):
+        for item in value:
+            yield from _shared_in(item, depth - 1)
+    elif depth and isinstance(value, Mapping):
+        for item in value.values():
+            yield from _shared_in(item, depth - 1)
+
+
 def _clone_generator(g: torch.Generator) -> torch.Generator:
     clone = torch.Generator(device=g.device)
     clone.set_state(g.get_state())
@@ -404,8 +424,8 @@ def _clone_generator(g: torch.Generator) -> torch.Generator:
 
 
 def _replacements(module: nn.Module, on_meta: bool) -> dict[int, Any]:
-    """id(original) -> what the copy holds instead: parameters, buffers, tensor attributes, generators; the trainer and
-    fabric map to themselves (never copied)."""
+    """id(original) -> what the copy holds instead: parameters, buffers, tensor attributes, generators; the trainer,
+    fabric and data sources (:func:`_shared_in`) map to themselves (never copied)."""
     memo: dict[int, Any] = {}
     for m in module.modules():
         for p in m._parameters.values():
@@ -423,6 +443,8 @@ def _replacements(module: nn.Module, on_meta: bool) -> dict[int, Any]:
             for t in _tensors_in(value):
                 if id(t) not in memo:
                     memo[id(t)] = _clone_generator(t) if isinstance(t, torch.Generator) else _new_tensor(t, on_meta)
+            for shared in _shared_in(value):
+                memo[id(shared)] = shared
     return memo
 
 

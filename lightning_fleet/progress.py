@@ -48,17 +48,21 @@ class FleetProgress(Callback):
         self._first_step = 0
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        """Start the clock of this fit."""
         self.step_seconds, self.last_loss = [], None
         self._started = self._last = time.perf_counter()
         self._first_step = trainer.global_step
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """Time the step; on rank 0 keep its loss (one host sync) and print a line every ``log_every_n_steps``."""
         now = time.perf_counter()
         self.step_seconds.append(now - self._last)
         self._last = now
+        if not trainer.is_global_zero:
+            return
         self.last_loss = loss_of(outputs, trainer.callback_metrics)
         every = max(1, int(trainer.log_every_n_steps or 50))
-        if trainer.is_global_zero and trainer.progress_bar_callback is None and trainer.global_step % every == 0:
+        if trainer.progress_bar_callback is None and trainer.global_step % every == 0:
             print(self._line(trainer), flush=True)
 
     def _measured(self) -> float | None:
@@ -90,6 +94,7 @@ class FleetProgress(Callback):
         return "  ".join(p for p in parts if p)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        """Rank 0: the summary of this fit."""
         if not trainer.is_global_zero:
             return
         steps = trainer.global_step - self._first_step

@@ -8,12 +8,16 @@ On CPU it lifts Lightning's CUDA-only restriction so DeepSpeed's CPU accelerator
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Mapping
+
+import psutil
 
 from lightning_fleet import noise
 
@@ -31,7 +35,13 @@ from lightning_fleet.elastic.checkpoint import MANIFEST, committed, newest_verif
 from lightning_fleet.elastic.compatibility import RESUME_POLICIES, incompatibility, job_facts
 from lightning_fleet.elastic.reshard import make_universal
 from lightning_fleet.elastic.sampler import MicroBatches
-from lightning_fleet.elastic.worker import announce_launch_advice, deterministic_errors, install_error_hook, open_process_group
+from lightning_fleet.elastic.worker import (
+    announce_launch_advice,
+    deterministic,
+    deterministic_errors,
+    install_error_hook,
+    open_process_group,
+)
 from lightning_fleet.export import lightning_checkpoint, record_module, restore_module, write_layout
 from lightning_fleet.planning import (
     ClusterSpec,
@@ -107,6 +117,8 @@ class FleetStrategy(DeepSpeedStrategy):
             ``<dir>/set-aside/``); ``"never"`` starts fresh and moves existing checkpoints aside (nothing is deleted).
         progress: print one line of progress (step, loss, measured vs predicted step time) every
             ``Trainer(log_every_n_steps)`` steps on rank 0 when the progress bar is off, and a summary at the end.
+        hand_back: at the end of fit, give the module back as a plain module holding the trained weights on every rank
+            (on the CPU, as Lightning's teardown leaves it); skipped when that would not fit the host's memory.
     """
 
     strategy_name = "fleet"
@@ -129,6 +141,7 @@ class FleetStrategy(DeepSpeedStrategy):
         micro_batch_size: int | None = None,
         resume: str = "auto",
         progress: bool = True,
+        hand_back: bool = True,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -161,7 +174,7 @@ class FleetStrategy(DeepSpeedStrategy):
         self.checkpoint_every = (checkpoint_every_n_steps, checkpoint_every_n_seconds)
         self.resumed_from: Path | None = None
         """The checkpoint this fit resumed from (None for a fresh start)."""
-        self._auto_resume: Path | None = None
+        self._resume_from: Path | None = None  # the FleetCheckpoint step this fit continues (given or found)
         self._reshard: Path | None = None
         self.plan: Plan | None = None
         """The plan being trained (set at setup)."""
@@ -176,6 +189,7 @@ class FleetStrategy(DeepSpeedStrategy):
         self.micro_batch_size = micro_batch_size
         self.resume = resume
         self.progress = progress
+        self.hand_back = hand_back
         self.profile: Profile | None = None
         """How the module was measured (method, fallbacks, what it means for the plan)."""
         self._facts: dict[str, Any] | None = None
@@ -239,6 +253,9 @@ class FleetStrategy(DeepSpeedStrategy):
         import deepspeed
 
         self._module_record = record_module(model)  # before DeepSpeed changes it: what restore_module hands back
+        # ZeRO-3 replaces torch.nn.functional.linear for the whole process ("This will persist unless manually reset",
+        # deepspeed/runtime/zero/partition_parameters.py): put back at teardown
+        self._patch(torch.nn.functional, "linear", torch.nn.functional.linear)
         if self.plan is not None and self.plan.pp > 1:
             layers = find_layers(model)
             model = build_pipeline(
@@ -281,8 +298,8 @@ class FleetStrategy(DeepSpeedStrategy):
         return optimizers[0], schedulers[0] if schedulers else None
 
     def teardown(self) -> None:
-        """Undo what this strategy changed on the user's module for training (gradient zeroing, recomputation wrappers);
-        the engine stays, for ``trainer.save_checkpoint`` after fit."""
+        """Undo what this strategy (and DeepSpeed: ZeRO-3's process-wide ``F.linear``) changed for training: gradient
+        zeroing, recomputation wrappers; the engine stays, for ``trainer.save_checkpoint`` after fit."""
         self._undo_module_patches()
         super().teardown()
 
@@ -312,8 +329,9 @@ class FleetStrategy(DeepSpeedStrategy):
                     trainer.callbacks.append(FleetProgress())
                 self._choose_plan(trainer)
                 self._prepare_reshard()
-            self._use_training_precision()
-            super().setup(trainer)
+                self._use_training_precision()
+                self._step_started, self._step_times = None, []
+                super().setup(trainer)
         else:
             self._setup_evaluation(trainer)
 
@@ -326,7 +344,7 @@ class FleetStrategy(DeepSpeedStrategy):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         self._use_evaluation_precision()
-        self.model = self.lightning_module
+        self.model = self.precision_plugin.convert_module(self.lightning_module)  # bf16-true/16-true: the module's dtype
         self.model_to_device()
         self.barrier("fleet-evaluation-setup")
 
@@ -349,9 +367,22 @@ class FleetStrategy(DeepSpeedStrategy):
     def on_train_end(self) -> None:
         """Hand the user's module back, as a plain module in its original structure holding the trained weights on every
         rank (collective; runs after the callbacks' on_train_end, so after the final checkpoint, and only when training
-        ended normally). The engine still saves checkpoints afterwards (export.restore_module)."""
-        if self._engine is not None and self._module_record is not None:
-            restore_module(self, self._module_record)
+        ended normally). The engine still saves checkpoints afterwards (export.restore_module). Skipped, with one line,
+        when ``hand_back=False`` or when the whole model in fp32 on every local rank would not fit the host's memory."""
+        if self._engine is None or self._module_record is None or not self.hand_back:
+            return
+        needed = self.num_processes * sum(4 * math.prod(t.shape) for t in self._module_record.tensors if t.alias_of is None)
+        available = calibrate.across_ranks(float(psutil.virtual_memory().available), self.root_device)  # the least free
+        if needed > 0.8 * available:
+            if self.is_global_zero:
+                print(
+                    f"lightning_fleet: the module is left as DeepSpeed trained it: handing its {needed / self.num_processes / GIB:.1f} GiB "
+                    f"of fp32 weights back to {self.num_processes} processes per node needs {needed / GIB:.1f} GiB of host memory, "
+                    f"{available / GIB:.1f} GiB is free; export the weights instead (fleet export, README 'Getting the weights out')",
+                    flush=True,
+                )
+            return
+        restore_module(self, self._module_record)
 
     def _use_evaluation_precision(self) -> None:
         """Without an engine, mixed precision is autocast (DeepSpeed casts the module itself during fit)."""
@@ -389,24 +420,43 @@ class FleetStrategy(DeepSpeedStrategy):
         return self.global_rank // self.plan.tp % self.plan.dp
 
     def _attach_checkpointing(self, trainer) -> None:  # type: ignore[no-untyped-def]
-        """Add FleetCheckpoint for checkpoint_dir, and make a fit without ckpt_path resume from the newest verified checkpoint."""
+        """Add FleetCheckpoint for checkpoint_dir, and decide which checkpoint this fit continues: the ``ckpt_path`` it was
+        given (a FleetCheckpoint step decides the plan and global batch as an automatic resume does; nothing is set
+        aside for it), or, without one, the newest verified checkpoint of this job in the FleetCheckpoint's directory."""
         callbacks = [c for c in trainer.callbacks if isinstance(c, FleetCheckpoint)]
         if self.checkpoint_dir is not None and not callbacks:
             steps, seconds = self.checkpoint_every
             callbacks = [FleetCheckpoint(self.checkpoint_dir, every_n_steps=steps, every_n_seconds=seconds)]
             trainer.callbacks.append(callbacks[0])
+        requested = _requested_checkpoint(trainer)
+        if requested is not None:
+            path = Path(requested)
+            if (path / MANIFEST).is_file():
+                self._resume_from = self._on_rank_zero(lambda: self._usable(path))
+            return
         if not callbacks:
             return
-        self._auto_resume = self._newest_checkpoint(callbacks[0].dirpath)
+        self._resume_from = self._newest_checkpoint(callbacks[0].dirpath)
         connector = trainer._checkpoint_connector
         resume_start = connector.resume_start
 
         def resume_from_newest(checkpoint_path=None, weights_only=None):  # type: ignore[no-untyped-def]
             # Lightning calls this right after setup with the user's ckpt_path (None when not given)
             connector.resume_start = resume_start
-            return resume_start(checkpoint_path if checkpoint_path is not None else self._auto_resume, weights_only)
+            return resume_start(checkpoint_path if checkpoint_path is not None else self._resume_from, weights_only)
 
         connector.resume_start = resume_from_newest
+
+    def _usable(self, path: Path) -> Path:
+        """The FleetCheckpoint step a fit was given, if its manifest verifies and it belongs to this job (rank 0)."""
+        assert self._facts is not None
+        verdict = verify(path)
+        if not verdict.ok:
+            raise FleetError(f"checkpoint {path} cannot be used: {verdict.reason}")
+        why = incompatibility(verdict.manifest or {}, self._facts)
+        if why:
+            raise FleetError(f"checkpoint {path} cannot be resumed by this job: {why}")
+        return path
 
     def _newest_checkpoint(self, directory: Path) -> Path | None:
         """Rank 0 picks the checkpoint to resume (newest verified, compatible with this job, as ``resume`` says);
@@ -438,7 +488,7 @@ class FleetStrategy(DeepSpeedStrategy):
         return None
 
     def _resume_manifest(self) -> dict | None:
-        return json.loads((self._auto_resume / MANIFEST).read_text()) if self._auto_resume is not None else None
+        return json.loads((self._resume_from / MANIFEST).read_text()) if self._resume_from is not None else None
 
     def _prepare_reshard(self) -> None:
         """When the newest checkpoint was written at another world size: verify it, screen its pickles, and
@@ -446,7 +496,7 @@ class FleetStrategy(DeepSpeedStrategy):
         manifest = self._resume_manifest()
         if manifest is None or manifest["world_size"] == self.world_size:
             return
-        source, path = parse_plan(manifest["plan"]), self._auto_resume
+        source, path = parse_plan(manifest["plan"]), self._resume_from
         assert path is not None
         if source.tp > 1 or source.pp > 1:
             raise FleetError(
@@ -465,14 +515,20 @@ class FleetStrategy(DeepSpeedStrategy):
         self._reshard = converted
 
     def _on_rank_zero(self, fn):  # type: ignore[no-untyped-def]
-        """Run ``fn`` on rank 0 and give every rank its result, or raise its FleetError on every rank."""
+        """Run ``fn`` on rank 0 and give every rank its result, or raise its FleetError on every rank. Any other
+        exception on rank 0 is raised there as it is and as a FleetError naming it on the others (none waits forever)."""
         result: Any = None
+        failure: BaseException | None = None
         if self.is_global_zero:
             try:
                 result = fn()
             except FleetError as err:
                 result = err
+            except Exception as err:  # a bug or an OS error: the other ranks must not wait for a broadcast
+                failure, result = err, FleetError(f"rank 0 failed while deciding for every rank: {type(err).__name__}: {err}")
         result = self.broadcast(result)
+        if failure is not None:
+            raise failure
         if isinstance(result, FleetError):
             raise result
         return result
@@ -485,9 +541,10 @@ class FleetStrategy(DeepSpeedStrategy):
             if path.is_dir():
                 return lightning_checkpoint(path)
             return self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
-        if not (path / MANIFEST).is_file():
+        if not (path / MANIFEST).is_file():  # a trainer.save_checkpoint dir: no manifest, but its pickles are screened too
+            self._on_rank_zero(lambda: refuse_unsafe_pickles(path))
             return super().load_checkpoint(checkpoint_path, weights_only)
-        resharding = self._reshard is not None and path == self._auto_resume
+        resharding = self._reshard is not None and path == self._resume_from
         if not resharding:  # a resharded checkpoint was verified and screened before its conversion
             self._on_rank_zero(lambda: _check_checkpoint(path))
         manifest = json.loads((path / MANIFEST).read_text())
@@ -497,8 +554,7 @@ class FleetStrategy(DeepSpeedStrategy):
         elif manifest["world_size"] != self.world_size or manifest["plan"] != str(self.plan):
             raise FleetError(
                 f"checkpoint {path} was written by plan {manifest['plan']} on {manifest['world_size']} processes; this job runs "
-                f"{self.plan} on {self.world_size}: give no ckpt_path (the strategy reshards its own newest checkpoint) or relaunch "
-                "with the same world"
+                f"{self.plan} on {self.world_size}: relaunch with its world and plan"
             )
         else:
             state = super().load_checkpoint(path / "state", weights_only)
@@ -530,6 +586,12 @@ class FleetStrategy(DeepSpeedStrategy):
             raise FleetError(
                 f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) with strategy 'fleet': the plan chooses "
                 "gradient accumulation to keep the global batch; pass FleetStrategy(global_batch_size=...) instead"
+            )
+        if trainer.reload_dataloaders_every_n_epochs:
+            raise FleetError(
+                f"Trainer(reload_dataloaders_every_n_epochs={trainer.reload_dataloaders_every_n_epochs}) with strategy 'fleet': "
+                "the strategy reads the training data once at setup and keys its order by the global step; vary the data "
+                "inside your Dataset (e.g. by its set_epoch) instead"
             )
         module = self.lightning_module
         self._data = inspect_training_loader(_user_training_loader(trainer))
@@ -593,7 +655,7 @@ class FleetStrategy(DeepSpeedStrategy):
             stages = tuple(z for z in self.zero_stages if z >= 1)
             if not stages:
                 raise FleetError(
-                    f"checkpoint {self._auto_resume} must be resharded to {self.world_size} processes, which needs ZeRO stage "
+                    f"checkpoint {self._resume_from} must be resharded to {self.world_size} processes, which needs ZeRO stage "
                     f"1, 2 or 3, but FleetStrategy(zero_stages={self.zero_stages}): allow one of them"
                 )
             return runtime_constraints(
@@ -626,22 +688,36 @@ class FleetStrategy(DeepSpeedStrategy):
             clash = {k: v for k, v in partial.fixed.items() if getattr(resumed, k) != v}
             if clash:
                 raise FleetError(
-                    f"checkpoint {self._auto_resume} was trained with plan {resumed}, but this job fixes "
+                    f"checkpoint {self._resume_from} was trained with plan {resumed}, but this job fixes "
                     f"{', '.join(f'{k}={field_text(v)}' for k, v in clash.items())}: drop those from plan=/micro_batch_size= to "
                     "continue it, or start in another checkpoint_dir"
                 )
-            _print_table(estimate(spec, cluster, resumed), None, cluster, [*notes, f"resumed  {self._auto_resume}: its plan continues"])
+            self._check_resumable_plan(resumed)
+            _print_table(estimate(spec, cluster, resumed), None, cluster, [*notes, f"resumed  {self._resume_from}: its plan continues"])
             return str(resumed)
         constraints = self._constraints()
         _check_runtime_supports(partial, constraints, self.lightning_module)
         constraints = partial.constraints(constraints)
         if partial.complete:  # everything fixed: train it as given (priced, not searched)
             forced = partial.to_plan(spec.global_batch_size)
-            _print_table(estimate(spec, cluster, forced), None, cluster, notes)
+            _print_table(estimate(spec, cluster, forced), None, cluster, notes + _pipeline_note(forced))
             return str(forced)
         result = search_plans(spec, cluster, top=self.top, constraints=constraints)
-        _print_table(result.best, result, cluster, notes)
+        _print_table(result.best, result, cluster, notes + _pipeline_note(result.best.plan))
         return str(result.best.plan)
+
+    def _check_resumable_plan(self, resumed: Plan) -> None:
+        """The checkpoint's plan must be one this job may run (its zero_stages, offload settings, limits and hooks)."""
+        whole = parse_partial_plan(str(resumed))
+        try:
+            constraints = self._constraints()
+            _check_runtime_supports(whole, constraints, self.lightning_module)
+            whole.constraints(constraints)
+        except FleetError as err:
+            raise FleetError(
+                f"checkpoint {self._resume_from} was trained with plan {resumed}, which this job may not run ({err}): allow it "
+                "(FleetStrategy's zero_stages, offload, max_tp/max_pp, the module's hooks) or start in another checkpoint_dir"
+            ) from None
 
     def _fixed_axes(self) -> tuple[PartialPlan, list[str]]:
         """What the planner may not choose (the user's plan and micro_batch_size, what the loss and the optimization
@@ -690,15 +766,16 @@ class FleetStrategy(DeepSpeedStrategy):
         if self.plan is None or self._data is None or trainer is None or trainer.state.stage != RunningStage.TRAINING:
             return dataloader
         plan = self.plan
-        return step_loader(
-            self._data,
-            global_batch_size=plan.global_batch_size,
-            dp_size=plan.dp,
-            dp_rank=self.dp_rank,
-            gas=plan.gas,
-            seed=_sampler_seed(),
-            first_step=lambda: trainer.global_step,
-        )
+        with deterministic_errors():  # e.g. fewer samples than one global batch: every attempt would say so again
+            return step_loader(
+                self._data,
+                global_batch_size=plan.global_batch_size,
+                dp_size=plan.dp,
+                dp_rank=self.dp_rank,
+                gas=plan.gas,
+                seed=_sampler_seed(),
+                first_step=lambda: trainer.global_step,
+            )
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """Run the step's micro-batches: all but the last through DeepSpeed here, the last through Lightning's loop."""
@@ -779,8 +856,7 @@ class FleetStrategy(DeepSpeedStrategy):
         if self.plan is not None:
             checkpoint["fleet"] = {"plan": str(self.plan), "global_batch_size": self.plan.global_batch_size, "world_size": self.world_size}
         super().save_checkpoint(checkpoint, filepath, storage_options)
-        if self.is_global_zero:
-            write_layout(self, filepath, self._module_record)
+        write_layout(self, filepath, self._module_record)  # every rank (collective for ZeRO-0 fp16/bf16 masters); rank 0 writes
         self.barrier("fleet-layout-written")  # the checkpoint is whole on every rank when save_checkpoint returns
 
     @classmethod
@@ -801,6 +877,20 @@ def _user_training_loader(trainer) -> Any:  # type: ignore[no-untyped-def]
     return source.dataloader()
 
 
+def _requested_checkpoint(trainer) -> Any:  # type: ignore[no-untyped-def]
+    """The ``ckpt_path`` this fit was given (resolved: "last", "hpc" are paths by now), or None.
+
+    Lightning 2.6 passes it as an argument of ``Trainer._run`` straight to ``_restore_modules_and_callbacks`` after the
+    strategy's setup, and keeps it nowhere the setup can read; it is read from that call's frame.
+    """
+    frame = sys._getframe()
+    while frame is not None:
+        if frame.f_code.co_name == "_run" and frame.f_locals.get("self") is trainer:
+            return frame.f_locals.get("ckpt_path")
+        frame = frame.f_back
+    return None
+
+
 def _precision_of(trainer) -> Precision:  # type: ignore[no-untyped-def]
     name = str(trainer.precision)
     if name not in _PRECISIONS:
@@ -817,7 +907,10 @@ def _loss_of(output: Any) -> torch.Tensor:
     if isinstance(output, Mapping):
         return output["loss"]
     if not isinstance(output, torch.Tensor):
-        raise FleetError("training_step must return the loss tensor or a dict with 'loss' under strategy 'fleet'")
+        raise deterministic(FleetError(
+            f"training_step returned {type(output).__name__}; with several micro-batches per step (gas > 1) strategy 'fleet' "
+            "needs the loss tensor or a dict with 'loss' from every micro-batch"
+        ))
     return output
 
 
@@ -841,6 +934,16 @@ def _check_runtime_supports(plan: PartialPlan, constraints: Any, module: Any) ->
         raise FleetError(f"plan {plan}: zero={plan.zero} is outside zero_stages={constraints.zero_stages}")
     if plan.offload not in (None, Offload.NONE) and not constraints.allow_offload:
         raise FleetError(f"plan {plan} offloads, but allow_offload=False")
+
+
+def _pipeline_note(plan: Plan) -> list[str]:
+    """What a pipeline plan changes for the user's code (said in the start-up report)."""
+    if plan.pp == 1:
+        return []
+    return [
+        "note     pipeline: each step runs fleet_pipeline()'s layers and loss_fn, not training_step (its logging and "
+        "metrics do not run; the step's loss is logged as train_loss); validation runs your validation_step"
+    ]
 
 
 def _no_pipeline_because(module: Any) -> str:

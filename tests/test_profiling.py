@@ -450,3 +450,20 @@ def test_every_supported_data_dependent_shape_gets_its_upper_bound() -> None:
     result = profile(Shapes(), torch.randn(6, 4), global_batch_size=6)
     assert result.method is Method.META, result.fallback_reason
     assert "6 data-dependent shape(s) (bincount, masked_select, unique, unique_consecutive)" in result.notes[1]
+
+
+def test_data_sources_held_by_the_module_are_shared_not_copied() -> None:
+    """A module that keeps its data set (from setup()) is not copied with it: the data would be held twice per run."""
+    from torch.utils.data import TensorDataset
+
+    from tests.zoo import Classifier, classification_data, loaders
+
+    module = Classifier()
+    module.train_set = TensorDataset(torch.randn(1000, 8))
+    module.table = np.zeros(profiling.SHARED_ARRAY_BYTES // 8)
+    module.small = np.zeros(4)
+    memo = profiling._replacements(module, on_meta=True)
+    assert memo[id(module.train_set)] is module.train_set and memo[id(module.table)] is module.table
+    assert id(module.small) not in memo  # small arrays are copied with the module, as every other attribute
+    batch = next(iter(loaders(classification_data())["train_dataloaders"]))
+    assert profile(module, batch, global_batch_size=8).method is Method.META

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import torch
+
 import pytest
 from lightning.pytorch import Trainer, seed_everything
 
@@ -19,11 +21,12 @@ from tests.multiprocess import QUIET_TRAINER
 pytestmark = pytest.mark.usefixtures("restore_environment")  # in-process Trainers change os.environ
 
 
-def fit(tmp_path, layers: int = 2, seed: int = 0, steps: int = 2, **strategy_kwargs) -> Trainer:
+def fit(tmp_path, layers: int = 2, seed: int = 0, steps: int = 2, ckpt_path=None, **strategy_kwargs) -> Trainer:
     seed_everything(seed)
     strategy = lightning_fleet.FleetStrategy(checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every_n_steps=1, **strategy_kwargs)
     trainer = Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, limit_val_batches=0, **QUIET_TRAINER)
-    trainer.fit(GPT(num_layers=layers, hidden_size=32, num_heads=4, seq_length=32), StdlibText(seq_length=32, batch_size=4, limit_bytes=20_000))
+    module = GPT(num_layers=layers, hidden_size=32, num_heads=4, seq_length=32)
+    trainer.fit(module, StdlibText(seq_length=32, batch_size=4, limit_bytes=20_000), ckpt_path=ckpt_path)
     return trainer
 
 
@@ -91,3 +94,48 @@ def test_a_plan_that_contradicts_the_checkpoints_is_one_line_and_a_compatible_on
         fit(tmp_path, steps=4, plan="zero=2")
     message = str(err.value)
     assert "\n" not in message and "but this job fixes zero=2: drop those from plan=/micro_batch_size=" in message
+
+
+def test_a_given_ckpt_path_is_continued_and_nothing_else_is_touched(tmp_path):
+    """fit(ckpt_path=<step>) continues that step whatever resume= says about the directory's newest one."""
+    fit(tmp_path, steps=3)
+    chosen = committed(tmp_path / "ckpt")[1]  # step 2, not the newest
+    trainer = fit(tmp_path, steps=3, ckpt_path=str(chosen), resume="never")
+    assert trainer.strategy.resumed_from == chosen and trainer.global_step == 3
+    assert not (tmp_path / "ckpt" / SET_ASIDE).exists()
+
+
+def test_a_given_ckpt_path_of_another_model_is_one_line(tmp_path):
+    fit(tmp_path)
+    with pytest.raises(FleetError) as err:
+        fit(tmp_path, layers=3, steps=3, ckpt_path=str(committed(tmp_path / "ckpt")[0]))
+    assert "\n" not in str(err.value) and "cannot be resumed by this job: this module has 'blocks.2." in str(err.value)
+
+
+def test_a_checkpoint_plan_this_job_may_not_run_is_one_line(tmp_path):
+    """Switching to ZeRO-3 only (the fleet_zero3 preset) does not silently continue a ZeRO-1 checkpoint."""
+    fit(tmp_path, plan="zero=1")
+    with pytest.raises(FleetError) as err:
+        fit(tmp_path, steps=3, zero_stages=(3,))
+    message = str(err.value)
+    assert "\n" not in message and "which this job may not run" in message and "zero=1 is outside zero_stages=(3,)" in message
+
+
+def test_a_plain_checkpoint_dir_is_screened_before_it_is_loaded(tmp_path):
+    """fit(ckpt_path=<trainer.save_checkpoint dir>): a planted payload is refused before DeepSpeed unpickles anything."""
+    import os as _os
+
+    trainer = fit(tmp_path)
+    plain = tmp_path / "plain"
+    trainer.save_checkpoint(plain)
+    marker = tmp_path / "payload-ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (_os.system, (f"touch {marker}",))
+
+    shard = max((p for p in plain.rglob("*.pt")), key=lambda p: p.stat().st_size)
+    torch.save({"module": Payload()}, shard)
+    with pytest.raises(FleetError, match="refusing it"):
+        fit(tmp_path / "other", steps=3, ckpt_path=str(plain))
+    assert not marker.exists()

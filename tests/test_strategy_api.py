@@ -223,3 +223,34 @@ def test_several_optimizers_are_refused_before_training():
         fit("fleet", module)
     assert "returns 2 optimizers and 0 schedulers" in one_line(err) and "combine the parameter groups into one optimizer" in one_line(err)
     assert all(torch.equal(a, b) for a, b in zip(before, module.parameters()))
+
+
+def test_reloading_dataloaders_is_refused_in_one_line():
+    with pytest.raises(FleetError) as err:
+        fit("fleet", reload_dataloaders_every_n_epochs=1)
+    assert "reads the training data once at setup" in one_line(err)
+
+
+def test_the_module_is_handed_back_plain_unless_asked_not_to():
+    """ZeRO-3 partitions the module's parameters; at the end of fit they are ordinary tensors again (hand_back=True)."""
+    module = GPT(num_layers=2, hidden_size=32, num_heads=4, seq_length=32)
+    linear = torch.nn.functional.linear
+    fit(lightning_fleet.FleetStrategy(plan="zero=3", global_batch_size=4), module)
+    assert not any(hasattr(p, "ds_id") for p in module.parameters()) and all(p.numel() > 0 for p in module.parameters())
+    assert torch.nn.functional.linear is linear  # ZeRO-3 swaps it for the whole process; put back at teardown
+    kept = GPT(num_layers=2, hidden_size=32, num_heads=4, seq_length=32)
+    fit(lightning_fleet.FleetStrategy(plan="zero=3", global_batch_size=4, hand_back=False), kept)
+    assert all(hasattr(p, "ds_id") for p in kept.parameters())
+
+
+@pytest.mark.parametrize("after_fit", [True, False])
+def test_bf16_true_evaluates(after_fit):
+    """validate() in bf16-true on float inputs, after a fit and on a fresh fp32 module (converted as Lightning's plugin does)."""
+    from tests.zoo import Classifier, classification_data, loaders
+
+    module, data = Classifier(), loaders(classification_data())
+    trainer = Trainer(accelerator="cpu", devices=1, strategy="fleet", precision="bf16-true", max_steps=1, limit_val_batches=2, **QUIET_TRAINER)
+    if after_fit:
+        trainer.fit(module, **data)
+    (metrics,) = trainer.validate(module, dataloaders=data["val_dataloaders"], verbose=False)
+    assert metrics["val_loss"] > 0

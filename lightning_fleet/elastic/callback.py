@@ -103,6 +103,7 @@ class FleetCheckpoint(Callback):
         self._sigterm = True
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        """Give SIGTERM back to the handler it had before training."""
         if self._previous_handler is not None:
             signal.signal(signal.SIGTERM, self._previous_handler)
             self._previous_handler = None
@@ -118,6 +119,7 @@ class FleetCheckpoint(Callback):
         return bool(flags[0]), bool(flags[1])
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """Save when any rank got SIGTERM, the time is due or the step count says so; stop after a SIGTERM."""
         sigterm, time_due = self._agree(trainer)
         step = trainer.global_step
         if sigterm or time_due or (self.every_n_steps is not None and step % self.every_n_steps == 0):
@@ -127,6 +129,7 @@ class FleetCheckpoint(Callback):
             trainer.should_stop = True
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        """The final checkpoint."""
         self.save(trainer)
 
     # --- the save ---------------------------------------------------------------------------
