@@ -4,11 +4,14 @@ Offline (no process group, no model code): :func:`export_state_dict` reads a che
 (ZeRO 0-3, offload, AutoTP tensor parallel, DeepSpeed pipeline, and their data-parallel products) and returns the
 full fp32 weights with exactly the keys and shapes of the user's LightningModule ``state_dict()``;
 :func:`export_checkpoint` writes them as one Lightning-style file that ``MyModule.load_from_checkpoint`` and
-``torch.load(weights_only=True)`` read without lightning_fleet. Every file is read with ``weights_only=True``.
+``torch.load(weights_only=True)`` read without lightning_fleet. Every file is read with ``weights_only=True``,
+memory-mapped, one after another; only the weights are copied out. Trainable parameters are DeepSpeed's fp32
+masters wherever it keeps them, so a mixed-precision run exports full precision.
 
 What a DeepSpeed checkpoint does not say -- which tensor-parallel shard is split along which dimension, which
-pipeline layer file holds which module key, the original keys, shapes and dtypes -- is the *layout*
-(``fleet_layout.json``), written next to DeepSpeed's files by :func:`write_layout` on every save.
+pipeline layer file holds which module key, which parameters ZeRO-0's fp16/bf16 optimizer wrapper holds in which
+group, the original keys, shapes and dtypes -- is the *layout* (``fleet_layout.json``), written next to DeepSpeed's
+files by :func:`write_layout` on every save.
 
 Live (collective, every rank calls it): :func:`full_state_dict` gathers the full weights from a running
 FleetStrategy; :func:`restore_module` ends a fit by handing the user's module back in its original structure
@@ -20,21 +23,34 @@ tree it trained, so a ``trainer.save_checkpoint`` after the restore still writes
 
 from __future__ import annotations
 
+import argparse
 import copy
 import importlib
 import json
 import math
 import os
+import pickle
+import re
 import types
+import zipfile
 from collections import OrderedDict
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any, Iterable, Mapping
 
 import torch
 from torch import nn
 
-from lightning_fleet.elastic.checkpoint import MANIFEST, SAFE_GLOBALS, fsync_path, newest_verified, verify, write_atomic
+from lightning_fleet.elastic.checkpoint import _SAFE_PATTERN as _TORCH_TYPE  # dtypes and storages torch admits itself
+from lightning_fleet.elastic.checkpoint import (
+    MANIFEST,
+    SAFE_GLOBALS,
+    fsync_path,
+    newest_verified,
+    torch_file_globals,
+    verify,
+    write_atomic,
+)
 from lightning_fleet.planning import FleetError
 
 LAYOUT = "fleet_layout.json"
@@ -47,6 +63,7 @@ TAG = "checkpoint"
 """The tag under which Lightning's DeepSpeedStrategy.save_checkpoint saves (``engine.save_checkpoint(tag=...)``)."""
 
 _RESTORED = "_fleet_restored"
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")  # torch's weights_only message is coloured
 _HOOK_DICTS = (
     "_backward_pre_hooks",
     "_backward_hooks",
@@ -173,9 +190,10 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _as_export(tensor: torch.Tensor) -> torch.Tensor:
-    """Floating tensors as fp32, others as they are; detached, contiguous, on the CPU."""
-    tensor = tensor.detach()
-    return (tensor.float() if tensor.is_floating_point() else tensor).contiguous().cpu()
+    """Floating tensors as fp32, others as they are; detached, on the CPU, always a compact copy of its own (never a view
+    into a flat group or a memory-mapped file, whose whole storage ``torch.save`` would write)."""
+    dtype = torch.float32 if tensor.is_floating_point() else tensor.dtype
+    return tensor.detach().to("cpu", dtype, memory_format=torch.contiguous_format, copy=True)
 
 
 # --- live: gather the full weights from a running strategy -----------------------------------------
@@ -184,20 +202,22 @@ def _as_export(tensor: torch.Tensor) -> torch.Tensor:
 def full_state_dict(strategy: Any, record: ModuleRecord | None = None) -> dict[str, torch.Tensor]:
     """The full weights of the strategy's module on every rank, keyed like the original ``state_dict()`` (collective).
 
-    Trainable parameters come from DeepSpeed's fp32 master copies when it keeps them (ZeRO 1-3, bf16
-    optimizer), else from the parameters themselves (ZeRO-3 partitions gathered); AutoTP shards are
-    all-gathered over the tensor-parallel group and concatenated along their split dimension; each pipeline
-    stage broadcasts its layers. Floating tensors are fp32, everything is on the CPU.
+    Trainable parameters come from DeepSpeed's fp32 master copies when it keeps them (ZeRO 1-3, its bf16 optimizer,
+    and at ZeRO-0 under fp16/bf16 mixed precision its FP16 optimizer wrappers), else from the parameters themselves
+    (ZeRO-3 partitions gathered); AutoTP shards are all-gathered over the tensor-parallel group and concatenated
+    along their split dimension; each pipeline stage broadcasts its layers. Floating tensors are fp32, everything is
+    on the CPU.
     """
     engine = _engine_of(strategy)
     module = strategy.lightning_module
     if engine is None or getattr(engine, _RESTORED, False):  # a plain module that holds the full weights
         return {k: _as_export(v) for k, v in module.state_dict().items()}
     infos = record.tensors if record is not None else _live_infos(module, engine)
+    masters = {id(param): master for group in _wrapper_masters(getattr(engine, "optimizer", None)) for param, master in group}
     device = strategy.root_device
     if _is_pipeline(engine):
-        return _pipeline_state(engine, module, infos, device)
-    return _replica_state(engine.module, infos, device)
+        return _pipeline_state(engine, module, infos, device, masters)
+    return _replica_state(engine.module, infos, device, masters)
 
 
 def _engine_of(strategy: Any) -> Any:
@@ -226,16 +246,54 @@ def _live_infos(module: nn.Module, engine: Any) -> tuple[TensorInfo, ...]:
     return tuple(infos)
 
 
+def _wrapper_masters(optimizer: Any) -> list[list[tuple[nn.Parameter, torch.Tensor]]]:
+    """Per optimizer group, in the wrapper's order: (parameter, its fp32 master) of each trainable parameter of
+    DeepSpeed's fp16/bf16 optimizer wrapper; empty for any other optimizer.
+
+    DeepSpeed 0.19.8 wraps the optimizer at ZeRO-0 under fp16 (and under bf16 without a pipeline)
+    (``engine._do_optimizer_sanity_check`` returns FP16 / DDP_BFLOAT16): ``FP16_Optimizer`` (a fused optimizer)
+    keeps one flat fp32 copy per group (``fp32_groups_flat``, the group's parameters back to back,
+    runtime/fp16/fused_optimizer.py), ``FP16_UnfusedOptimizer`` (any other, e.g. torch's AdamW) one fp32
+    tensor per parameter (``fp32_groups``, runtime/fp16/unfused_optimizer.py); ``fp16_groups`` lists the
+    parameters. ``deepspeed.utils.safe_get_full_fp32_param`` covers neither."""
+    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+
+    if isinstance(optimizer, FP16_Optimizer):
+        flats = zip(optimizer.fp32_groups_flat, optimizer.fp16_groups)
+        return [list(zip(group, _unflat(flat, [p.shape for p in group]))) for flat, group in flats]
+    if isinstance(optimizer, FP16_UnfusedOptimizer):
+        return [list(zip(group, masters)) for masters, group in zip(optimizer.fp32_groups, optimizer.fp16_groups)]
+    return []
+
+
+def _unflat(flat: torch.Tensor, shapes: Iterable[Iterable[int]]) -> list[torch.Tensor]:
+    """Views of ``flat`` holding tensors of ``shapes`` back to back (torch._utils._flatten_dense_tensors, no padding)."""
+    views, offset = [], 0
+    for shape in shapes:
+        numel = math.prod(shape)
+        views.append(flat.narrow(0, offset, numel).view(tuple(shape)))
+        offset += numel
+    if offset != flat.numel():
+        raise FleetError(
+            f"fp32 master group holds {flat.numel()} elements, its parameters {offset}: the files do not belong together"
+        )
+    return views
+
+
 def _named_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
     named = dict(module.named_parameters(remove_duplicate=False))
     named.update(module.named_buffers(remove_duplicate=False))
     return named
 
 
-def _full_value(tensor: torch.Tensor, is_param: bool) -> torch.Tensor:
-    """One parameter or buffer whole (collective over its data-parallel group where DeepSpeed partitions it)."""
+def _full_value(tensor: torch.Tensor, is_param: bool, masters: Mapping[int, torch.Tensor]) -> torch.Tensor:
+    """One parameter or buffer whole (collective over its data-parallel group where DeepSpeed partitions it);
+    ``masters``: parameter id -> fp32 master of ZeRO-0's fp16/bf16 optimizer wrapper (:func:`_wrapper_masters`)."""
     if not is_param:
         return tensor.detach().clone()
+    if id(tensor) in masters:
+        return masters[id(tensor)].detach().clone()
     from deepspeed.utils import safe_get_full_fp32_param
 
     master = safe_get_full_fp32_param(tensor)  # ZeRO 1-3 and the bf16 optimizer keep fp32 masters
@@ -249,7 +307,9 @@ def _full_value(tensor: torch.Tensor, is_param: bool) -> torch.Tensor:
     return tensor.detach().clone()
 
 
-def _replica_state(view: nn.Module, infos: Iterable[TensorInfo], device: torch.device) -> dict[str, torch.Tensor]:
+def _replica_state(
+    view: nn.Module, infos: Iterable[TensorInfo], device: torch.device, masters: Mapping[int, torch.Tensor]
+) -> dict[str, torch.Tensor]:
     """Every key of a (possibly tensor-parallel, ZeRO-partitioned) replica, gathered in the same order on every rank."""
     named = _named_tensors(view)
     params = {id(p) for p in view.parameters()}
@@ -260,7 +320,7 @@ def _replica_state(view: nn.Module, infos: Iterable[TensorInfo], device: torch.d
             out[info.key] = out[info.alias_of]
             continue
         tensor = named[info.key]
-        value = _full_value(tensor, id(tensor) in params)
+        value = _full_value(tensor, id(tensor) in params, masters)
         if info.key in splits:
             dim, group = splits[info.key]
             value = _gather_along(value, dim, group, device)
@@ -372,7 +432,9 @@ def _layer_owners(layer_keys: list[dict[str, str]]) -> dict[str, tuple[int, str]
     return owners
 
 
-def _pipeline_state(engine: Any, module: nn.Module, infos: Iterable[TensorInfo], device: torch.device) -> dict[str, torch.Tensor]:
+def _pipeline_state(
+    engine: Any, module: nn.Module, infos: Iterable[TensorInfo], device: torch.device, masters: Mapping[int, torch.Tensor]
+) -> dict[str, torch.Tensor]:
     """Each stage gathers its own layers (over its data-parallel group), then broadcasts every key from its owner."""
     import torch.distributed as dist
 
@@ -389,7 +451,7 @@ def _pipeline_state(engine: Any, module: nn.Module, infos: Iterable[TensorInfo],
         named, params = _named_tensors(layer), {id(p) for p in layer.parameters()}
         for key, (owner, name) in owners.items():
             if owner == index and key not in local:
-                local[key] = _full_value(named[name], id(named[name]) in params)
+                local[key] = _full_value(named[name], id(named[name]) in params, masters)
     out: dict[str, torch.Tensor] = {}
     current = module.state_dict()
     for info in infos:
@@ -527,13 +589,18 @@ def _keep_only(hooks: dict, recorded: dict) -> None:
 
 def write_layout(strategy: Any, directory: str | Path, record: ModuleRecord | None) -> Path | None:
     """Write ``fleet_layout.json`` (and, under pipeline parallelism, ``fleet_unstaged.pt``) into a DeepSpeed
-    checkpoint directory. Rank 0 only, after the engine saved; None when the strategy has no plan (nothing trained)."""
+    checkpoint directory, after the engine saved. Every rank calls it (a collective where ZeRO-0 keeps fp32 masters in
+    DeepSpeed's fp16/bf16 optimizer wrapper: each model-parallel rank says which parameters its groups hold); rank 0
+    writes. Returns the layout's path on rank 0; None elsewhere or when the strategy has no plan (nothing trained)."""
     plan = getattr(strategy, "plan", None)
     if plan is None:
         return None
     directory = Path(directory)
     module, engine = strategy.lightning_module, _engine_of(strategy)
     if engine is None:
+        return None
+    wrapper_groups = _wrapper_groups(engine)
+    if int(strategy.global_rank) != 0:
         return None
     restored = getattr(engine, _RESTORED, False)
     infos = record.tensors if record is not None else _live_infos(module, engine)
@@ -562,8 +629,30 @@ def write_layout(strategy: Any, directory: str | Path, record: ModuleRecord | No
             current = module.state_dict()
             _save_atomic({k: _as_export(current[k]) for k in unstaged}, directory / UNSTAGED)
     layout["restored"] = bool(restored)
+    layout["wrapper_masters"] = wrapper_groups
     write_atomic(directory / LAYOUT, json.dumps(layout, indent=1))
     return directory / LAYOUT
+
+
+def _wrapper_groups(engine: Any) -> list[list[list[Any]]] | None:
+    """ZeRO-0 under fp16/bf16 mixed precision (collective): for each model-parallel rank (its ``mp_rank_XX`` model-states
+    file, whose ``optimizer`` entry holds the wrapper's fp32 masters), each optimizer group's parameters as
+    ``[DeepSpeed name, shape]`` in the group's order. None (on every rank, no communication) for any other optimizer."""
+    import torch.distributed as dist
+
+    groups = _wrapper_masters(getattr(engine, "optimizer", None))
+    if not groups:
+        return None
+    names: dict[int, str] = {}
+    for name, param in engine.module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), name)
+    mine = [[[names.get(id(param)), list(param.shape)] for param, _ in group] for group in groups]
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (int(getattr(engine, "checkpoint_mp_rank", 0)), mine))
+    by_rank: dict[int, list[list[list[Any]]]] = {}
+    for mp, entry in everyone:
+        by_rank.setdefault(mp, entry)  # data-parallel replicas of one model-parallel rank hold the same groups
+    return [by_rank[mp] for mp in sorted(by_rank)]
 
 
 def _save_atomic(obj: Any, path: Path) -> None:
@@ -666,22 +755,64 @@ def _safe_globals() -> list[Any]:
 
 
 def _load(path: Path, allowed: list[Any]) -> Any:
-    """torch.load(weights_only=True) with the allowlist; a missing or unreadable file is one FleetError line."""
+    """torch.load(weights_only=True) with the allowlist, memory-mapped when the file is torch.save's zip archive (a
+    tensor's bytes are read only when something uses them); a missing, unreadable or refused file is one FleetError line."""
     if not path.is_file():
         raise FleetError(
             f"checkpoint is incomplete: {path} is missing (a save that did not finish, or a partial copy); use another checkpoint"
         )
     try:
         with torch.serialization.safe_globals(allowed):
-            return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # truncated zip, flipped bytes, a global outside the allowlist
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise FleetError(f"cannot read {path} ({reason[:200]}): truncated, corrupted or not a checkpoint file") from None
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
+    except pickle.UnpicklingError as err:  # weights_only refused a global, or the pickle itself is damaged
+        refused = _refused_globals(path, allowed)
+        if refused:
+            raise FleetError(_refusal(path, refused)) from None
+        raise FleetError(_unreadable(path, err)) from None
+    except Exception as err:  # truncated zip, flipped bytes
+        raise FleetError(_unreadable(path, err)) from None
+
+
+def _unreadable(path: Path, err: Exception) -> str:
+    text = _ANSI.sub("", str(err)).strip()
+    reason = text.splitlines()[0] if text else type(err).__name__
+    return f"cannot read {path} ({reason[:200]}): truncated, corrupted or not a checkpoint file"
+
+
+def _refused_globals(path: Path, allowed: list[Any]) -> list[str]:
+    """The globals the file's pickles would import that neither the allowlist nor torch's own (dtypes, storages) nor
+    ``torch.serialization.add_safe_globals`` admit; empty when the file cannot be scanned."""
+    try:
+        found = torch_file_globals(path)
+    except Exception:  # not a zip of pickles nor a pickle: damaged
+        return []
+    admitted = set(SAFE_GLOBALS) | {_dotted(g) for g in [*allowed, *torch.serialization.get_safe_globals()]}
+    return sorted(g for g in found if g not in admitted and not _TORCH_TYPE.match(g))
+
+
+def _dotted(entry: Any) -> str:
+    """``module.name`` of an allowlist entry (an object, or an (object, name) pair as add_safe_globals takes)."""
+    if isinstance(entry, tuple):
+        return str(entry[1])
+    return f"{entry.__module__}.{entry.__qualname__}"
+
+
+def _refusal(path: Path, refused: list[str]) -> str:
+    names = ", ".join(name.rpartition(".")[2] for name in refused)
+    return (
+        f"cannot read {path}: it would import {', '.join(refused)} when loaded, which torch.load(weights_only=True) refuses "
+        "(it could run code): keep hyper-parameters to plain types (str, int, float, bool, None, lists, dicts: str(path), "
+        f"enum.value) or leave them out with save_hyperparameters(ignore=[...]); if you trust the class, call "
+        f"torch.serialization.add_safe_globals([{names}]) before reading"
+    )
 
 
 def export_state_dict(checkpoint: str | Path) -> dict[str, torch.Tensor]:
     """The full weights of a checkpoint written under any plan, keyed and shaped like the original module's
-    ``state_dict()`` (buffers included); floating tensors in fp32. Raises FleetError (one line) on bad input."""
+    ``state_dict()`` (buffers included); floating tensors in fp32. Raises FleetError (one line) on bad input.
+
+    Files are memory-mapped and read one after another; only the weights are copied out (optimizer moments are never
+    read), so the peak memory is about the exported weights plus the part of one file they come from."""
     return _export(locate(checkpoint))[0]
 
 
@@ -689,135 +820,250 @@ def _export(source: Source) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """(state_dict, Lightning's client state from the first model-states file)."""
     layout, allowed = source.layout, _safe_globals()
     reader = _Reader(source.files, layout, allowed)
-    if int(layout["pp"]) > 1:
-        values = reader.pipeline_values()
-        named = _from_pipeline(values, layout)
-    else:
-        named = _from_replicas(reader, layout)
-    return _assemble(named, layout, source.deepspeed_dir), reader.client_state()
+    # DeepSpeed saves its fp32 groups with requires_grad=True: a copy out of them under autograd would keep a graph node
+    # holding the source tensor, and with it the whole memory-mapped file
+    with torch.no_grad():
+        if int(layout["pp"]) > 1:
+            named = _from_pipeline(reader.pipeline_values(), layout)
+        else:
+            named = _from_replicas(reader, layout)
+        return _assemble(named, layout, source.deepspeed_dir), reader.client_state()
+
+
+_CLIENT_KEYS = ("pytorch-lightning_version", "epoch", "global_step", "hyper_parameters", "hparams_name")
 
 
 class _Reader:
-    """Reads the DeepSpeed files of one checkpoint (each once), knowing their names from the layout."""
+    """Reads the DeepSpeed files of one checkpoint, knowing their names from the layout: each file memory-mapped when
+    needed, what is wanted copied out, the file let go before the next one (nothing is cached)."""
 
     def __init__(self, files: Path, layout: Mapping[str, Any], allowed: list[Any]) -> None:
         self.files, self.layout, self.allowed = files, layout, allowed
         self.dp, self.zero = int(layout["dp"]), int(layout["zero"])
-        self._cache: dict[Path, Any] = {}
+        self._client: dict[str, Any] | None = None
 
     def load(self, name: str) -> Any:
-        path = self.files / name
-        if path not in self._cache:
-            self._cache[path] = _load(path, self.allowed)
-        return self._cache[path]
+        return _load(self.files / name, self.allowed)
 
     def model_states(self, mp: int, dp: int = 0) -> dict[str, Any]:
         """The model-states file of model-parallel rank ``mp`` (ZeRO-3: of data-parallel rank ``dp`` too)."""
-        if self.zero == 3:
-            return self.load(f"zero_pp_rank_{dp}_mp_rank_{mp:02d}_model_states.pt")
-        return self.load(f"mp_rank_{mp:02d}_model_states.pt")
+        name = f"zero_pp_rank_{dp}_mp_rank_{mp:02d}_model_states.pt" if self.zero == 3 else f"mp_rank_{mp:02d}_model_states.pt"
+        states = self.load(name)
+        if mp == 0 and dp == 0 and self._client is None:
+            self._client = {key: states[key] for key in _CLIENT_KEYS if key in states}
+        return states
 
     def client_state(self) -> dict[str, Any]:
-        return self.model_states(0)
+        """What Lightning saved next to the weights (version, epoch, step, hyper-parameters), from the first file."""
+        if self._client is None:
+            self.model_states(0)
+        return self._client or {}
 
-    def optim_states(self, mp: int) -> list[dict[str, Any]]:
-        """The optimizer shards of model-parallel rank ``mp``, data-parallel rank 0..dp-1 (bf16 runs prefix them)."""
+    def optim_names(self, mp: int) -> list[str]:
+        """The optimizer shard files of model-parallel rank ``mp``, data-parallel rank 0..dp-1 (bf16 runs prefix them);
+        at ZeRO-0 only DeepSpeed's bf16 optimizer writes them (else none)."""
         plain = f"zero_pp_rank_0_mp_rank_{mp:02d}_optim_states.pt"
         prefix = "bf16_" if not (self.files / plain).is_file() and (self.files / f"bf16_{plain}").is_file() else ""
-        names = [f"{prefix}zero_pp_rank_{d}_mp_rank_{mp:02d}_optim_states.pt" for d in range(self.dp)]
-        return [self.load(name)["optimizer_state_dict"] for name in names]
+        if self.zero == 0 and not (self.files / f"{prefix}{plain}").is_file():
+            return []
+        return [f"{prefix}zero_pp_rank_{d}_mp_rank_{mp:02d}_optim_states.pt" for d in range(self.dp)]
 
-    def has_masters(self, mp: int) -> bool:
-        """Whether fp32 master partitions exist for this rank (ZeRO >= 1, or DeepSpeed's bf16 optimizer at ZeRO 0)."""
-        if self.zero >= 1:
-            return True
-        name = f"zero_pp_rank_0_mp_rank_{mp:02d}_optim_states.pt"
-        return (self.files / name).is_file() or (self.files / f"bf16_{name}").is_file()
+    def masters(
+        self, mp: int, shapes: Mapping[str, tuple[int, ...]], states: Mapping[str, Any] | None = None
+    ) -> dict[str, torch.Tensor]:
+        """The fp32 master weights of model-parallel rank ``mp`` keyed by DeepSpeed's parameter names (empty when it keeps
+        none); ``shapes`` gives the shapes of the parameters the optimizer files name without one (ZeRO 1/2, bf16
+        optimizer); ``states``: its model-states file when already read."""
+        if self.zero == 3:
+            return self._zero3_masters(mp)
+        names = self.optim_names(mp)
+        if names:  # ZeRO 1/2, or DeepSpeed's bf16 optimizer (ZeRO-0 pipeline under bf16)
+            return _sliced_merge((self.load(name)["optimizer_state_dict"] for name in names), shapes)
+        wrapper = self.layout.get("wrapper_masters")
+        if wrapper:  # ZeRO-0 under fp16/bf16 mixed precision: the model-states file holds the wrapper's masters
+            states = states if states is not None else self.model_states(mp)
+            return _wrapper_merge(states.get("optimizer"), wrapper[mp])
+        return {}
 
-    def masters(self, mp: int, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
-        """The fp32 master weights of model-parallel rank ``mp`` keyed by DeepSpeed's parameter names; ``shapes``
-        gives the shapes of the parameters the optimizer files name without one (ZeRO 1/2, bf16 optimizer)."""
-        shards = self.optim_states(mp)
-        if "fp32_flat_groups" in shards[0]:
-            states = self.model_states(mp)
-            merged = _zero3_merge(states["param_shapes"], [s["fp32_flat_groups"] for s in shards])
-            merged.update(self._zero3_frozen(mp))
-            return merged
-        return _sliced_merge(shards, shapes)
-
-    def _zero3_frozen(self, mp: int) -> dict[str, torch.Tensor]:
+    def _zero3_masters(self, mp: int) -> dict[str, torch.Tensor]:
         first = self.model_states(mp)
-        shapes = first.get("frozen_param_shapes") or {}
-        fragments = [self.model_states(mp, d).get("frozen_param_fragments") or {} for d in range(self.dp)] if shapes else []
-        out = {}
-        for name, shape in shapes.items():
-            numel = math.prod(shape)
-            out[name] = torch.cat([f[name].flatten() for f in fragments]).narrow(0, 0, numel).view(tuple(shape)).clone()
-        return out
+        param_shapes, frozen_shapes = first["param_shapes"], first.get("frozen_param_shapes") or {}
+        del first
+        partitions = (self.load(name)["optimizer_state_dict"]["fp32_flat_groups"] for name in self.optim_names(mp))
+        merged = _zero3_merge(param_shapes, partitions, self.dp)
+        merged.update(self._zero3_frozen(mp, frozen_shapes))
+        return merged
+
+    def _zero3_frozen(self, mp: int, shapes: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        """Parameters no optimizer owns: each data-parallel rank's model-states file holds a fragment."""
+        if not shapes:
+            return {}
+        pieces: dict[str, list[torch.Tensor]] = {name: [] for name in shapes}
+        for d in range(self.dp):
+            fragments = self.model_states(mp, d).get("frozen_param_fragments") or {}
+            for name in shapes:
+                pieces[name].append(fragments[name].flatten().clone())
+        return {
+            name: torch.cat(pieces[name]).narrow(0, 0, math.prod(shape)).view(tuple(shape)) for name, shape in shapes.items()
+        }
 
     def replica_values(self, mp: int) -> dict[str, torch.Tensor]:
-        """Everything model-parallel rank ``mp`` holds, by DeepSpeed name: module state, overridden by fp32 masters."""
-        values = dict(self.model_states(mp).get("module") or {})
-        if self.has_masters(mp):
-            values.update(self.masters(mp, {name: tuple(t.shape) for name, t in values.items()}))
+        """Everything model-parallel rank ``mp`` holds, by DeepSpeed name: its fp32 masters, and the module state of
+        what has none (buffers, frozen or unmastered parameters), copied out so that the file is let go on return."""
+        states = self.model_states(mp)
+        module = states.get("module") or {}
+        values = self.masters(mp, {name: tuple(t.shape) for name, t in module.items()}, states)
+        values.update({name: t.detach().clone() for name, t in module.items() if name not in values})
         return values
 
     def pipeline_values(self) -> dict[str, torch.Tensor]:
-        """Every pipeline layer's tensors by ``"<layer index>.<name in the layer>"`` (DeepSpeed's names), masters on top."""
+        """Every pipeline layer's tensors by ``"<layer index>.<name in the layer>"`` (DeepSpeed's names): the fp32
+        masters, and the layer files' tensors that have none (each layer file is read for its shapes first, then again
+        for what is left, one file at a time)."""
+        layers = [index for index, mapping in enumerate(self.layout["pipeline"]["layers"]) if mapping]
+        shapes: dict[str, tuple[int, ...]] = {}
+        for index in layers:
+            shapes.update({f"{index}.{name}": tuple(t.shape) for name, t in self._layer(index).items()})
         values: dict[str, torch.Tensor] = {}
-        for index, mapping in enumerate(self.layout["pipeline"]["layers"]):
-            if mapping:
-                state = self.load(f"layer_{index:02d}-model_states.pt")
-                values.update({f"{index}.{name}": tensor for name, tensor in state.items()})
-        shapes = {name: tuple(t.shape) for name, t in values.items()}
         for stage in range(int(self.layout["pp"])):
-            if self.has_masters(stage):
-                values.update(self.masters(stage, shapes))
+            values.update(self.masters(stage, shapes))
+        for index in layers:
+            values.update(_copied_except(self._layer(index), f"{index}.", values))
         return values
 
+    def _layer(self, index: int) -> dict[str, torch.Tensor]:
+        return self.load(f"layer_{index:02d}-model_states.pt")
 
-def _sliced_merge(shards: list[Mapping[str, Any]], shapes: Mapping[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+
+def _copied_except(tensors: Mapping[str, torch.Tensor], prefix: str, have: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """Copies of the tensors whose prefixed name is not in ``have`` (so that the file they map can be let go)."""
+    return {prefix + name: t.detach().clone() for name, t in tensors.items() if prefix + name not in have}
+
+
+def _sliced_merge(shards: Iterable[Mapping[str, Any]], shapes: Mapping[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
     """ZeRO 1/2 and the bf16 optimizer: each data-parallel rank holds one slice of every flat fp32 group and names the
-    fragment of each parameter in it (``param_slice_mappings``: numel, start); a parameter is its fragments in rank order."""
-    pieces: dict[str, list[torch.Tensor]] = {}
+    fragment of each parameter in it (``param_slice_mappings``: numel, start); a parameter is its fragments in rank order.
+    Shards are taken one at a time: each is copied into the whole parameters and let go before the next is read."""
+    out: dict[str, torch.Tensor] = {}
+    filled: dict[str, int] = {}
     for shard in shards:
-        if "param_slice_mappings" not in shard:
+        _copy_fragments(shard, shapes, out, filled)
+    for name, whole in out.items():
+        if filled[name] != whole.numel():
             raise FleetError(
-                "optimizer shard has no param_slice_mappings (written by another DeepSpeed version): "
-                "its fp32 weights cannot be mapped"
+                f"optimizer shards hold {filled[name]} elements of {name}, the module {shapes[name]}: "
+                "the files do not belong together"
             )
-        for flat, mapping in zip(shard["single_partition_of_fp32_groups"], shard["param_slice_mappings"]):
-            for name, fragment in mapping.items():
-                pieces.setdefault(name, []).append(flat.narrow(0, fragment.start, fragment.numel))
-    out = {}
-    for name, fragments in pieces.items():
-        whole = torch.cat(fragments)
-        shape = shapes.get(name)
-        if shape is None or whole.numel() != math.prod(shape):
-            raise FleetError(
-                f"optimizer shards hold {whole.numel()} elements of {name}, the module {shape}: the files do not belong together"
-            )
-        out[name] = whole.view(shape).clone()
-    return out
+    return {name: whole.view(shapes[name]) for name, whole in out.items()}
 
 
-def _zero3_merge(param_shapes: list[Mapping[str, Any]], partitions: list[list[torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """ZeRO-3: every parameter is split into dp pieces of ceil(numel/dp) elements, each rank holding its pieces of all
-    parameters back to back (deepspeed/utils/zero_to_fp32.py ``_zero3_merge_trainable_params``)."""
-    flats = [torch.cat([g.flatten() for g in groups]) for groups in partitions]
-    world, offset, out = len(flats), 0, {}
-    for shapes in param_shapes:
-        for name, shape in shapes.items():
-            numel = math.prod(shape)
-            piece = math.ceil(numel / world)
-            if offset + piece > flats[0].numel():
+def _copy_fragments(
+    shard: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], out: dict[str, torch.Tensor], filled: dict[str, int]
+) -> None:
+    """Copy one data-parallel rank's fragments into the flat whole parameters ``out`` (``filled``: elements so far)."""
+    if "param_slice_mappings" not in shard:
+        raise FleetError(
+            "optimizer shard has no param_slice_mappings (written by another DeepSpeed version): "
+            "its fp32 weights cannot be mapped"
+        )
+    for flat, mapping in zip(shard["single_partition_of_fp32_groups"], shard["param_slice_mappings"]):
+        for name, fragment in mapping.items():
+            start, numel = filled.get(name, 0), int(fragment.numel)
+            whole = out.get(name)
+            if whole is None:
+                whole = out[name] = torch.empty(math.prod(_shape_of(shapes, name)), dtype=flat.dtype)
+            if start + numel > whole.numel():
                 raise FleetError(
-                    f"ZeRO-3 partitions hold {flats[0].numel()} elements a rank but parameter {name} needs {offset + piece}: "
-                    "the shards do not belong together"
+                    f"optimizer shards hold more than {whole.numel()} elements of {name}, the module "
+                    f"{_shape_of(shapes, name)}: the files do not belong together"
                 )
-            whole = torch.cat([flat.narrow(0, offset, piece) for flat in flats])
-            out[name] = whole.narrow(0, 0, numel).view(tuple(shape)).clone()
-            offset += piece
+            whole.narrow(0, start, numel).copy_(flat.narrow(0, int(fragment.start), numel))
+            filled[name] = start + numel
+
+
+def _shape_of(shapes: Mapping[str, tuple[int, ...]], name: str) -> tuple[int, ...]:
+    if name not in shapes:
+        raise FleetError(f"optimizer shards hold {name}, which the module does not: the files do not belong together")
+    return shapes[name]
+
+
+def _zero3_merge(
+    param_shapes: list[Mapping[str, Any]], partitions: Iterable[list[torch.Tensor]], world: int
+) -> dict[str, torch.Tensor]:
+    """ZeRO-3: every parameter is split into ``world`` pieces of ceil(numel/world) elements, each rank holding its
+    pieces of all parameters back to back (deepspeed/utils/zero_to_fp32.py ``_zero3_merge_trainable_params``).
+    Partitions are taken one rank at a time, copied into the whole parameters and let go before the next."""
+    shapes = [(name, tuple(int(n) for n in shape)) for group in param_shapes for name, shape in group.items()]
+    pieces = [math.ceil(math.prod(shape) / world) for _, shape in shapes]
+    out: dict[str, torch.Tensor] = {}
+    ranks = 0
+    for rank, groups in enumerate(partitions):
+        _copy_pieces(rank, [g.flatten() for g in groups], shapes, pieces, out, world)
+        ranks = rank + 1
+    if ranks != world:
+        raise FleetError(f"ZeRO-3 checkpoint holds {ranks} partitions, its layout says {world}: the files do not belong together")
+    return {name: out[name].narrow(0, 0, math.prod(shape)).view(shape) for name, shape in shapes}
+
+
+def _copy_pieces(
+    rank: int,
+    groups: list[torch.Tensor],
+    shapes: list[tuple[str, tuple[int, ...]]],
+    pieces: list[int],
+    out: dict[str, torch.Tensor],
+    world: int,
+) -> None:
+    """Copy one rank's ZeRO-3 partition (its pieces of every parameter, back to back over its flat groups taken as one)
+    into the whole parameters."""
+    held = sum(g.numel() for g in groups)
+    if sum(pieces) > held:
+        raise FleetError(
+            f"ZeRO-3 partitions hold {held} elements a rank but the parameters need {sum(pieces)}: "
+            "the shards do not belong together"
+        )
+    offset = 0
+    for (name, _), piece in zip(shapes, pieces):
+        whole = out.setdefault(name, torch.empty(piece * world, dtype=groups[0].dtype))
+        target = whole.narrow(0, rank * piece, piece)
+        for start, part in _spans(groups, offset, piece):
+            target.narrow(0, start, part.numel()).copy_(part)
+        offset += piece
+
+
+def _spans(groups: list[torch.Tensor], offset: int, length: int) -> list[tuple[int, torch.Tensor]]:
+    """The elements ``offset .. offset+length`` of the groups concatenated, as (position in that range, view) pairs
+    (usually one), without concatenating anything."""
+    spans, start = [], 0
+    for group in groups:
+        end = start + group.numel()
+        low, high = max(offset, start), min(offset + length, end)
+        if low < high:
+            spans.append((low - offset, group.narrow(0, low - start, high - low)))
+        start = end
+    return spans
+
+
+def _wrapper_merge(saved: Any, groups: list[list[list[Any]]]) -> dict[str, torch.Tensor]:
+    """ZeRO-0's fp16/bf16 optimizer wrapper: the fp32 masters its ``state_dict()`` put into the model-states file's
+    ``optimizer`` entry (FP16_Optimizer: ``fp32_groups_flat``, one flat tensor per group; FP16_UnfusedOptimizer:
+    ``fp32_groups``, one tensor per parameter), keyed by the ``[name, shape]`` the layout recorded for each group."""
+    if not isinstance(saved, Mapping) or not ({"fp32_groups_flat", "fp32_groups"} & set(saved)):
+        raise FleetError(
+            f"a model-states file holds no fp32 master weights although its {LAYOUT} records them: the files do not match"
+        )
+    if "fp32_groups_flat" in saved:
+        tensors = [_unflat(flat, [shape for _, shape in group]) for flat, group in zip(saved["fp32_groups_flat"], groups)]
+    else:
+        tensors = [list(masters) for masters in saved["fp32_groups"]]
+    if [len(t) for t in tensors] != [len(g) for g in groups]:
+        raise FleetError(f"the fp32 master groups do not hold the parameters its {LAYOUT} records: the files do not match")
+    out: dict[str, torch.Tensor] = {}
+    for group, masters in zip(groups, tensors):
+        for (name, shape), master in zip(group, masters):
+            if tuple(master.shape) != tuple(shape):
+                raise FleetError(f"fp32 master of {name} has shape {tuple(master.shape)}, its {LAYOUT} says {tuple(shape)}")
+            if name is not None:
+                out.setdefault(name, master.detach().clone())  # copied out: the file is let go
     return out
 
 
@@ -827,16 +1073,18 @@ def _from_replicas(reader: _Reader, layout: Mapping[str, Any]) -> dict[str, torc
     shards = [reader.replica_values(mp) for mp in range(tp)]
     splits = layout["tensor_parallel"]
     out = {}
-    for key in shards[0]:
+    for key in list(shards[0]):
         if key in splits:
             parts = [_required(shard, key, f"tensor-parallel rank {mp}") for mp, shard in enumerate(shards)]
             out[key] = torch.cat(parts, dim=int(splits[key]))
+            for shard in shards:
+                del shard[key]  # its pieces go as soon as the whole is built
         else:
-            out[key] = shards[0][key]
+            out[key] = shards[0].pop(key)
     return out
 
 
-def _from_pipeline(values: Mapping[str, torch.Tensor], layout: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+def _from_pipeline(values: dict[str, torch.Tensor], layout: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     """Pipeline plans: each module key from the first layer that holds it."""
     out: dict[str, torch.Tensor] = {}
     for index, mapping in enumerate(layout["pipeline"]["layers"]):
@@ -852,8 +1100,9 @@ def _required(values: Mapping[str, torch.Tensor], name: str, where: str) -> torc
     return values[name]
 
 
-def _assemble(named: Mapping[str, torch.Tensor], layout: Mapping[str, Any], directory: Path) -> dict[str, torch.Tensor]:
-    """The original state_dict: every recorded key, in order, with its recorded shape; aliases share their tensor."""
+def _assemble(named: dict[str, torch.Tensor], layout: Mapping[str, Any], directory: Path) -> dict[str, torch.Tensor]:
+    """The original state_dict: every recorded key, in order, with its recorded shape; aliases share their tensor.
+    Takes the tensors out of ``named`` as it goes (each source is let go once its export copy exists)."""
     pipeline = layout.get("pipeline") or {}
     unstaged = _load(directory / UNSTAGED, _safe_globals()) if pipeline.get("unstaged") else {}
     out: dict[str, torch.Tensor] = {}
@@ -862,7 +1111,8 @@ def _assemble(named: Mapping[str, torch.Tensor], layout: Mapping[str, Any], dire
         if info.alias_of is not None:
             out[info.key] = out[info.alias_of]
             continue
-        value = named.get(info.key, unstaged.get(info.key))
+        value = named.pop(info.key, None)
+        value = unstaged.get(info.key) if value is None else value
         if value is None:
             raise FleetError(f"checkpoint lacks {info.key}; the files do not match their {LAYOUT}")
         if tuple(value.shape) != info.shape:
@@ -887,7 +1137,7 @@ def export_checkpoint(checkpoint: str | Path, out_file: str | Path) -> Path:
 
 def lightning_checkpoint(checkpoint: str | Path) -> dict[str, Any]:
     """A checkpoint written under any plan as one Lightning-style dict of plain types and tensors: ``state_dict`` (full
-    weights), ``hyper_parameters`` (when the module saved them), ``pytorch-lightning_version``, ``epoch``,
+    weights), ``hyper_parameters`` (when the module saved them; paths as str), ``pytorch-lightning_version``, ``epoch``,
     ``global_step`` and ``lightning_fleet`` (plan and source)."""
     source = locate(checkpoint)
     state_dict, client = _export(source)
@@ -906,7 +1156,13 @@ def lightning_checkpoint(checkpoint: str | Path) -> dict[str, Any]:
 
 
 def _plain(value: Any) -> Any:
-    """Containers as plain dict/list (Lightning may keep hyper-parameters in its own dict types)."""
+    """Hyper-parameters as types ``torch.load(weights_only=True)`` reads anywhere: containers as plain dict/list (Lightning
+    may keep them in its own dict types), paths as str, argparse Namespaces as dicts (as Lightning's own
+    ``save_hyperparameters`` stores a Namespace)."""
+    if isinstance(value, PurePath):
+        return str(value)
+    if isinstance(value, argparse.Namespace):
+        value = vars(value)
     if isinstance(value, Mapping):
         return {k: _plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):

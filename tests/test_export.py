@@ -1,8 +1,10 @@
 """Tier 3: weights out of any plan, and the user's module handed back intact after fit.
 
 One 2-process job trains the example GPT under ZeRO 0, 1, 2, 3, ZeRO-3 with optimizer+parameter offload,
-tensor parallel (ZeRO 0 and 3) and pipeline parallel (ZeRO 0 and 1), and TiedGPT (tied head, buffers that
-training changes) under ZeRO-3 and tp; one 4-process job trains dp x tp and dp x pp. After each fit the
+tensor parallel (ZeRO 0 and 3) and pipeline parallel (ZeRO 0 and 1), each also under bf16-mixed or 16-mixed
+where DeepSpeed keeps fp32 masters in another place (ZeRO-0's fp16/bf16 optimizer wrapper, ZeRO-1's and the
+pipeline's bf16 optimizer), TiedGPT (tied head, buffers that training changes) under ZeRO-3 and tp, and
+PathGPT (a pathlib.Path hyper-parameter) under ZeRO-2; one 4-process job trains dp x tp and dp x pp. After each fit the
 worker (tests/workers/export_gpt.py) gathers the live full weights, saves, restores the module, checks it
 and saves again. Here: every export (FleetCheckpoint step dir, its directory, its state/ dir, the saves
 before and after the restore) equals the live weights bit for bit and the one-process reference within
@@ -12,6 +14,7 @@ loads in a process that never imports lightning_fleet; broken input is one clear
 
 from __future__ import annotations
 
+import enum
 import json
 import shutil
 import sys
@@ -19,11 +22,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch._utils import _flatten_dense_tensors
 
 from examples.gpt.data import StdlibText
 from examples.gpt.model import GPT
 from lightning_fleet import cli
-from lightning_fleet.export import LAYOUT, export_checkpoint, export_state_dict
+from lightning_fleet.elastic.checkpoint import refuse_unsafe_pickles, torch_file_globals
+from lightning_fleet.export import LAYOUT, _wrapper_merge, export_checkpoint, export_state_dict, lightning_checkpoint
 from lightning_fleet.planning import FleetError
 from tests.multiprocess import ROOT, run, worker_env
 from tests.reference import reference_run
@@ -37,19 +42,28 @@ PLANS = [
     "dp=2,zero=0",
     "dp=2,zero=1",
     "dp=2,zero=2",
+    "path:dp=2,zero=2",
     "dp=2,zero=3",
     "dp=2,zero=3,offload=optimizer+params",
     "tied:dp=2,zero=3",
+    "bf16-mixed@dp=2,zero=0",
+    "16-mixed@dp=2,zero=0",
+    "bf16-mixed@dp=2,zero=1",
     "dp=1,tp=2,zero=0",
     "dp=1,tp=2,zero=3",
     "tied:dp=1,tp=2,zero=1",
+    "bf16-mixed@dp=1,tp=2,zero=0",
     "dp=1,pp=2,zero=0",
     "dp=1,pp=2,zero=1",
+    "bf16-mixed@dp=1,pp=2,zero=0",
+    "16-mixed@dp=1,pp=2,zero=0",
 ]
-WIDE_PLANS = ["dp=2,tp=2,zero=3", "dp=2,pp=2,zero=1"]
+WIDE_PLANS = ["dp=2,tp=2,zero=3", "dp=2,pp=2,zero=1", "16-mixed@dp=2,pp=2,zero=0"]
 RUNS = [(2, i, p) for i, p in enumerate(PLANS)] + [(4, i, p) for i, p in enumerate(WIDE_PLANS)]
 RUN_IDS = [f"{world}x-{plan}" for world, _, plan in RUNS]
-GPT_RUNS = [pytest.param(*r, id=i) for r, i in zip(RUNS, RUN_IDS) if not r[2].startswith("tied:")]
+# fp32 runs of the plain GPT (and PathGPT, the same weights): comparable with the one-process fp32 reference
+GPT_RUNS = [pytest.param(*r, id=i) for r, i in zip(RUNS, RUN_IDS) if not r[2].startswith("tied:") and "@" not in r[2]]
+MIXED_RUNS = [pytest.param(*r, id=i) for r, i in zip(RUNS, RUN_IDS) if "@" in r[2]]
 
 
 def _launch(tmp: Path, plans: list[str], devices: int) -> list[dict]:
@@ -139,8 +153,28 @@ def test_restored_module_is_the_plain_original_with_trained_weights(jobs, refere
         assert torch.equal(result["state"][key].float(), tensor), key
     if result["model"] == "TiedGPT":
         assert result["tied"] and int(result["state"]["forwards"]) > 0
-    else:
+    elif "@" not in plan:  # (mixed precision trains other weights than the fp32 reference)
         torch.testing.assert_close(result["logits"], reference[1], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize(("world", "index", "plan"), MIXED_RUNS)
+def test_mixed_precision_exports_the_fp32_masters(jobs, world, index, plan):
+    """Under bf16-mixed / 16-mixed the export (live and offline) is DeepSpeed's fp32 master of every parameter, bit for
+    bit, read by the worker straight from DeepSpeed's optimizer, wherever it keeps them: ZeRO-0's FP16_UnfusedOptimizer
+    wrapper (dp, tp, pp under fp16), ZeRO-1's and the bf16 pipeline's BF16_Optimizer. Not the low-precision weights the
+    module trained with, which are the masters rounded."""
+    where, result = _run(jobs, world, index)
+    masters, low, live = result["masters"], result["low_precision"], result["live"]
+    assert set(masters) == set(live)  # every tensor of the GPT is a trainable parameter
+    low_dtype = torch.bfloat16 if plan.startswith("bf16") else torch.float16
+    for name, source in _sources(where).items():
+        exported = export_state_dict(source)
+        for key, master in masters.items():
+            assert master.dtype == torch.float32 and torch.equal(exported[key], master), f"{plan}, {name}: {key}"
+    for key, master in masters.items():
+        assert torch.equal(live[key], master), key
+        assert torch.equal(master.to(low_dtype).float(), low[key]), key  # the module's weights are the masters rounded
+        assert not torch.equal(master, low[key]), key  # ... and are not what the export returns
 
 
 @pytest.mark.parametrize(("world", "index", "plan"), RUNS, ids=RUN_IDS)
@@ -177,12 +211,12 @@ EXPORTED_KEYS = (
 CHILD = """
 import json, sys, torch
 from examples.gpt.model import GPT
-from tests.workers.tied_gpt import TiedGPT
+from tests.workers.tied_gpt import PathGPT, TiedGPT
 x = torch.load(sys.argv[1], weights_only=True)
 report = {}
 for name, path in json.loads(sys.argv[2]).items():
     plain = torch.load(path, weights_only=True)
-    model = (TiedGPT if "tied:" in name else GPT).load_from_checkpoint(path)
+    model = (TiedGPT if "tied:" in name else PathGPT if "path:" in name else GPT).load_from_checkpoint(path)
     state = model.state_dict()
     same = list(state) == list(plain["state_dict"]) and all(torch.equal(state[k], plain["state_dict"][k]) for k in state)
     with torch.no_grad():
@@ -210,6 +244,8 @@ def test_exported_file_loads_without_lightning_fleet(jobs, tmp_path):
     for (world, index, plan), name in zip(RUNS, RUN_IDS):
         entry, (_, result) = report[name], _run(jobs, world, index)
         assert entry["same"] and entry["hparams"]["hidden_size"] == SIZES["hidden_size"]
+        if plan.startswith("path:"):  # a Path hyper-parameter is written as str: plain torch reads the file
+            assert entry["hparams"]["data_dir"] == "/data/corpus"
         assert entry["keys"] == sorted(EXPORTED_KEYS)
         assert entry["plan"] == result["plan"]
         logits = torch.load(files[name] + ".logits", weights_only=True)
@@ -280,3 +316,65 @@ def test_fleet_export_command(jobs, tmp_path, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("fleet: error: ") and reason in err[0], (checkpoint, err)
     assert not (tmp_path / "never.ckpt").exists()
+
+
+# --- what a checkpoint's pickles may hold ------------------------------------------------------------
+
+
+class Colour(enum.Enum):
+    """A user's class among the hyper-parameters: outside the allowlist, so its pickle is refused."""
+
+    RED = "red"
+
+
+def test_path_hyperparameter_is_read_and_written_as_str(jobs):
+    """A pathlib.Path among the hyper-parameters (what LightningCLI passes for a path argument) unpickles as
+    PosixPath(*parts), string parsing only: the resume screen and the export admit it; the exported dict holds it as
+    str (plain torch reads the file with weights_only=True; see test_exported_file_loads_without_lightning_fleet)."""
+    step = _sources(_run(jobs, 2, PLANS.index("path:dp=2,zero=2"))[0])["step dir"]
+    assert "pathlib.PosixPath" in torch_file_globals(step / "state" / "checkpoint" / "mp_rank_00_model_states.pt")
+    refuse_unsafe_pickles(step)  # what the strategy runs before resuming: no FleetError
+    payload = lightning_checkpoint(step)
+    assert payload["hyper_parameters"]["data_dir"] == "/data/corpus"
+    assert set(payload["state_dict"]) == set(GPT(**SIZES).state_dict())
+
+
+def test_a_refused_global_is_named_not_called_corruption(jobs, tmp_path):
+    """A class outside the allowlist in a pickle (an Enum hyper-parameter) is one line naming the global, the file and
+    what to do; torch's multi-line coloured message never shows. A truncated file is still called damaged."""
+    saved = _copy(jobs, tmp_path, "save before restore", PLANS.index("dp=2,zero=2"))
+    states = saved / "checkpoint" / "mp_rank_00_model_states.pt"
+    content = torch.load(states, weights_only=False)  # our own test file
+    content["hyper_parameters"]["colour"] = Colour.RED
+    torch.save(content, states)
+    for read in (export_state_dict, lightning_checkpoint):
+        with pytest.raises(FleetError) as caught:
+            read(saved)
+        message = str(caught.value)
+        assert "\n" not in message and "\x1b" not in message and "Weights only load failed" not in message
+        assert f"cannot read {states}: it would import " in message and f"{Colour.__module__}.Colour" in message
+        assert "save_hyperparameters" in message and "torch.serialization.add_safe_globals" in message
+        assert "corrupted" not in message and "pathlib" not in message and "torch._utils" not in message
+
+    torch.serialization.add_safe_globals([Colour])  # the user trusts the class: now it reads
+    try:
+        assert lightning_checkpoint(saved)["hyper_parameters"]["colour"] is Colour.RED
+    finally:
+        torch.serialization.clear_safe_globals()
+
+
+def test_fused_wrapper_masters_are_split_by_the_recorded_groups():
+    """DeepSpeed's FP16_Optimizer (a fused optimizer, CUDA only) saves one flat fp32 tensor per group, its parameters
+    back to back as torch._utils._flatten_dense_tensors lays them: the layout's [name, shape] lists split it; a group
+    whose size disagrees is one line."""
+    a, b, c = torch.randn(2, 3), torch.randn(4), torch.randn(5)
+    groups = [[["a", [2, 3]], ["b", [4]]], [["c", [5]]]]
+    saved = {"fp32_groups_flat": [_flatten_dense_tensors([a, b]), _flatten_dense_tensors([c])], "cur_scale": 1.0}
+    merged = _wrapper_merge(saved, groups)
+    assert list(merged) == ["a", "b", "c"] and all(torch.equal(merged[k], v) for k, v in zip("abc", (a, b, c)))
+    with pytest.raises(FleetError, match=r"fp32 master group holds 10 elements, its parameters 9"):
+        _wrapper_merge(saved, [[["a", [2, 3]], ["b", [3]]], [["c", [5]]]])
+    unfused = {"fp32_groups": [[a, b], [c]]}
+    assert torch.equal(_wrapper_merge(unfused, groups)["c"], c)
+    with pytest.raises(FleetError, match=r"holds no fp32 master weights"):
+        _wrapper_merge({"cur_scale": 1.0}, groups)

@@ -202,10 +202,14 @@ SAFE_GLOBALS = {
     "deepspeed.runtime.zero.config.ZeroStageEnum",
     "deepspeed.utils.tensor_fragment.fragment_address",
     "argparse.Namespace",
+    "pathlib.PosixPath",
+    "pathlib.PurePosixPath",
 }
 """Globals a checkpoint pickle may import: tensor rebuilding, plain containers, and the few classes
-DeepSpeed stores (measured on its ZeRO 0-3, tensor- and pipeline-parallel checkpoints). Anything
-else (os.system, subprocess, eval, builtins.exec, ...) is refused before the file is unpickled."""
+DeepSpeed stores (measured on its ZeRO 0-3, tensor- and pipeline-parallel checkpoints), plus the
+standard-library values hyper-parameters commonly hold (LightningCLI paths: a path unpickles as
+``PosixPath(*parts)``, string parsing only). Anything else (os.system, subprocess, eval,
+builtins.exec, ...) is refused before the file is unpickled."""
 
 _SAFE_PATTERN = re.compile(r"^torch\.(\w+Storage|float\d*|bfloat16|half|double|int\d+|uint8|bool|long)$")
 

@@ -6,8 +6,11 @@ One Trainer.fit per plan (same processes). After each fit, every rank: gathers t
 attributes or hooks, the user's own hook kept, same weights on every rank), runs it on a fixed batch,
 and saves again (``DIR/<index>/after``, written by the engine's mirror of the tree). A FleetCheckpoint
 step directory is written under ``DIR/<index>/fleet`` at the last step. Rank 0 writes the results to --out.
+Under a mixed precision (``bf16-mixed@PLAN``) it also records, straight from DeepSpeed's optimizer (not through
+lightning_fleet.export), the fp32 master weights and the low-precision weights the module trained with.
 
-    python tests/workers/export_gpt.py --plans "dp=2,zero=3;tied:dp=1,tp=2,zero=0" --save-to /tmp/x --out /tmp/r.pt
+    python tests/workers/export_gpt.py --plans "dp=2,zero=3;tied:dp=1,tp=2,zero=0;bf16-mixed@dp=2,zero=0" \
+        --save-to /tmp/x --out /tmp/r.pt
 """
 
 from __future__ import annotations
@@ -25,10 +28,10 @@ from lightning.pytorch import Trainer, seed_everything  # noqa: E402
 
 from examples.gpt.data import StdlibText  # noqa: E402
 from examples.gpt.model import GPT  # noqa: E402
-from lightning_fleet.export import full_state_dict, record_module, restore_module  # noqa: E402
+from lightning_fleet.export import full_state_dict, pipeline_layer_keys, record_module, restore_module  # noqa: E402
 from lightning_fleet.strategy import FleetStrategy  # noqa: E402
 from tests.multiprocess import QUIET_TRAINER  # noqa: E402
-from tests.workers.tied_gpt import TiedGPT  # noqa: E402
+from tests.workers.tied_gpt import PathGPT, TiedGPT  # noqa: E402
 from tests.workers.train_gpt import DATA, SIZES, eval_batch  # noqa: E402
 
 
@@ -92,9 +95,71 @@ def ranks_max_diff(tensor: torch.Tensor) -> float:
     return float(diff)
 
 
+def engine_masters(strategy, model: GPT) -> tuple[dict, dict]:  # type: ignore[no-untyped-def]
+    """(fp32 masters, low-precision weights as fp32) of every trainable parameter, by the module's key, on every rank.
+
+    Read from DeepSpeed's own objects: ZeRO 1-3 and the bf16 optimizer through ``safe_get_full_fp32_param``;
+    ZeRO-0's fp16/bf16 wrappers (FP16_Optimizer: ``fp32_groups_flat``, FP16_UnfusedOptimizer: ``fp32_groups``)
+    by position in their groups. Pipeline stages hold their own layers, tensor-parallel ranks their shards (split
+    along DeepSpeed's recorded ``partition_dim``; only with dp=1, where the world is one tp group): all gathered."""
+    from deepspeed.checkpoint.constants import DS_AUTOTP_UC_META
+    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    engine = strategy.model
+    keys = module_keys(engine, model)
+    optimizer, by_id = engine.optimizer, {}
+    if isinstance(optimizer, FP16_Optimizer):
+        for flat, group in zip(optimizer.fp32_groups_flat, optimizer.fp16_groups):
+            offset = 0
+            for param in group:
+                by_id[id(param)] = flat.narrow(0, offset, param.numel()).view_as(param)
+                offset += param.numel()
+    elif isinstance(optimizer, FP16_UnfusedOptimizer):
+        for masters, group in zip(optimizer.fp32_groups, optimizer.fp16_groups):
+            by_id.update({id(param): master for param, master in zip(group, masters)})
+    mine = {}
+    for name, param in engine.module.named_parameters():
+        if not param.requires_grad or name not in keys:
+            continue
+        master = by_id.get(id(param))
+        master = safe_get_full_fp32_param(param) if master is None else master
+        meta = getattr(param, DS_AUTOTP_UC_META, None) or {}
+        dim = None if meta.get("replicated") else meta.get("partition_dim")
+        # (ZeRO 0-2: the parameter itself is whole on this rank)
+        mine[keys[name]] = (master.detach().float().cpu().clone(), param.detach().float().cpu().clone(), dim)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    masters, low = {}, {}
+    for key in dict.fromkeys(k for entries in everyone for k in entries):
+        held = [entries[key] for entries in everyone if key in entries]
+        dim = held[0][2]
+        assert dim is None or strategy.plan.dp == 1, "tensor-parallel shards are gathered over the whole world"
+        masters[key] = held[0][0] if dim is None else torch.cat([h[0] for h in held], dim=dim)
+        low[key] = held[0][1] if dim is None else torch.cat([h[1] for h in held], dim=dim)
+    return masters, low
+
+
+def module_keys(engine, model: GPT) -> dict[str, str]:  # type: ignore[no-untyped-def]
+    """The engine's parameter names -> the module's keys (after fit the engine trains a mirror of the tree; a pipeline
+    stage names its parameters ``<layer index>.<name in the layer>``)."""
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    if not isinstance(engine, PipelineEngine):
+        return {name: name for name, _ in engine.module.named_parameters()}
+    layers = pipeline_layer_keys(model)
+    return {f"{index}.{local}": key for index, mapping in enumerate(layers) for local, key in mapping.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--plans", required=True, help="';'-separated plans; 'tied:PLAN' trains TiedGPT (tied head, buffers)")
+    parser.add_argument(
+        "--plans",
+        required=True,
+        help="';'-separated plans; 'tied:PLAN' trains TiedGPT (tied head, buffers), 'path:PLAN' PathGPT (a Path "
+        "hyper-parameter); 'PRECISION@PLAN' another precision",
+    )
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--gbs", type=int, default=8)
     parser.add_argument("--devices", type=int, default=2)
@@ -105,9 +170,10 @@ def main() -> None:
     args = parser.parse_args()
     results = []
     for index, entry in enumerate(args.plans.split(";")):
+        precision, _, entry = entry.rpartition("@")
         kind, _, plan = entry.rpartition(":")
         seed_everything(0)
-        model = (TiedGPT if kind == "tied" else GPT)(**SIZES)
+        model = {"tied": TiedGPT, "path": PathGPT}.get(kind, GPT)(**SIZES)
         hook_calls = [0]
         model.blocks[0].mlp.register_forward_hook(lambda *_: hook_calls.__setitem__(0, hook_calls[0] + 1))
         dm = StdlibText(**DATA)
@@ -124,12 +190,13 @@ def main() -> None:
             devices=args.devices,
             strategy=strategy,
             max_steps=args.steps,
-            precision=args.precision,
+            precision=precision or args.precision,
             **QUIET_TRAINER,
             limit_val_batches=0,
             num_sanity_val_steps=0,
         )
         trainer.fit(model, dm)
+        masters, low = engine_masters(strategy, model) if precision else ({}, {})
         live = full_state_dict(strategy, strategy.export_record)
         trainer.save_checkpoint(where / "before")
         restore_module(strategy, strategy.export_record)
@@ -137,6 +204,7 @@ def main() -> None:
         report = module_report(model, strategy.export_record, hook_calls)
         trainer.save_checkpoint(where / "after")
         facts = {"plan": str(strategy.plan), "model": type(model).__name__, "global_step": trainer.global_step, "live": live}
+        facts |= {"precision": precision or args.precision, "masters": masters, "low_precision": low}
         results.append(facts | report)
     if dist.get_rank() == 0:
         torch.save(results, args.out)

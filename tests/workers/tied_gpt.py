@@ -1,9 +1,12 @@
-"""A module for the export tests that has what the example GPT lacks: tied weights and buffers that training changes.
+"""Modules for the export tests with what the example GPT lacks: tied weights and buffers that training changes; a path
+among the hyper-parameters.
 
 Imports only the example (no lightning_fleet), so a fresh process can ``TiedGPT.load_from_checkpoint`` an exported file.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 
@@ -28,3 +31,11 @@ class TiedGPT(GPT):
                 self.logit_mean.mul_(0.9).add_(0.1 * logits.detach().mean(dim=(0, 1)))
                 self.forwards += 1
         return logits
+
+
+class PathGPT(GPT):
+    """The example GPT with a ``pathlib.Path`` among its hyper-parameters, as LightningCLI passes a path argument."""
+
+    def __init__(self, data_dir: Path = Path("/data/corpus"), **kwargs: int | float) -> None:
+        super().__init__(**kwargs)
+        self.save_hyperparameters()  # adds data_dir (a PosixPath) to the GPT's own
