@@ -25,6 +25,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "workers" / "elastic_gpt.py"
 
+ZERO2 = "dp=2,tp=1,pp=1,zero=2,mbs=1,gas=4,recompute=none,sp=false,vpp=1,offload=none"
+"""The plan the figures were measured with (every key fixed: nothing left to the planner)."""
+ZERO3 = "dp=2,tp=1,pp=1,zero=3,mbs=1,gas=4,recompute=none,sp=false,vpp=1,offload=none"
+"""The same at ZeRO-3."""
+
 
 def port() -> int:
     with socket.socket() as s:
@@ -47,7 +52,7 @@ def records(out: Path, rank: int = 0) -> list[dict]:
 def kill_to_first_step(out: Path) -> float:
     """Seconds from SIGKILL of one worker to the first optimizer step completed after the restart."""
     out.mkdir(parents=True)
-    proc = start(out, "--steps", "30", "--every", "2", "--sleep", "0.2", "--plan", "dp=2,zero=2")
+    proc = start(out, "--steps", "30", "--every", "2", "--sleep", "0.2", "--plan", ZERO2)
     while len(records(out)) < 6:
         time.sleep(0.1)
     victim = next(c for c in proc.children(recursive=True) if "elastic_gpt.py" in " ".join(c.cmdline()) and c.environ().get("LOCAL_RANK") == "1")
@@ -64,7 +69,7 @@ def save_cost(out: Path) -> tuple[float, float, float]:
     for every in (1, 10_000):
         run = out / f"every{every}"
         run.mkdir(parents=True)
-        assert start(run, "--steps", "16", "--every", str(every), "--plan", "dp=2,zero=2", restarts=0).wait(600) == 0
+        assert start(run, "--steps", "16", "--every", str(every), "--plan", ZERO2, restarts=0).wait(600) == 0
         stamps = [r["time"] for r in records(run)][3:]
         times[every] = statistics.median(b - a for a, b in zip(stamps, stamps[1:]))
         if every == 1:
@@ -75,7 +80,7 @@ def save_cost(out: Path) -> tuple[float, float, float]:
 def resize_time(out: Path) -> tuple[float, float]:
     """Seconds from launch to the first step completed after resuming 2 -> 1 and 1 -> 2 processes (ZeRO-3)."""
     out.mkdir(parents=True)
-    assert start(out, "--steps", "4", "--every", "2", "--plan", "dp=2,zero=3", restarts=0).wait(600) == 0
+    assert start(out, "--steps", "4", "--every", "2", "--plan", ZERO3, restarts=0).wait(600) == 0
     result = []
     for nproc, steps in ((1, 6), (2, 8)):
         begun = time.time()

@@ -24,8 +24,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-PLAN = "dp=2,zero=2,mbs=16"
 STEPS, WARMUP, GBS = 60, 10, 32
+PLAN = "dp=2,tp=1,pp=1,zero=2,mbs=16,gas=1,recompute=none,sp=false,vpp=1,offload=none"  # every key fixed: nothing left to plan
 MODEL = dict(num_layers=4, hidden_size=128, num_heads=4, seq_length=128)
 DATA = dict(seq_length=128, batch_size=16, limit_bytes=2_000_000)
 

@@ -725,7 +725,8 @@ class FleetStrategy(DeepSpeedStrategy):
         partial = parse_partial_plan(self.forced_plan or "")
         notes = self._profile_lines()
         if partial.fixed:
-            notes.append(f"fixed    {partial} (FleetStrategy(plan=...)); the planner chose the rest")
+            rest = "" if partial.complete else "; the planner chose the rest"
+            notes.append(f"fixed    {partial} (FleetStrategy(plan=...)){rest}")
         module, profiled = self.lightning_module, self.profile
         if self.micro_batch_size is not None:
             partial = partial.fix(mbs=self.micro_batch_size)
