@@ -31,16 +31,14 @@ from enum import StrEnum
 from itertools import islice
 from typing import Any, Callable, Iterator
 
+import numpy
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, RandomSampler, Sampler, SequentialSampler
 
+from lightning_fleet import rng
 from lightning_fleet.elastic.sampler import GlobalBatchSampler, MicroBatchCollate, MicroBatches, rank_share
 from lightning_fleet.planning import FleetError
-
-try:
-    import numpy
-except ImportError:  # torch runs without NumPy; then there is no NumPy RNG to isolate
-    numpy = None  # type: ignore[assignment]
+from lightning_fleet.rng import RngState
 
 
 class DataKind(StrEnum):
@@ -229,7 +227,7 @@ def example_batch(data: TrainingData, samples: int) -> Any:
     (a user sampler's as :class:`SamplerOrder` iterates it, seeded by 0), a stream the start of a
     fresh iterator of its dataset in this process.
     """
-    with _isolated_rngs(None):
+    with rng.seeded(None):
         first = _first_samples(data, samples)
         if not first:
             raise FleetError("the training data yielded no sample: give the training DataLoader a non-empty dataset")
@@ -356,7 +354,7 @@ class SamplerOrder:
         if self._last is not None and self._last[0] == epoch:
             return self._last[1]
         seed = _mix(self.seed, "sampler", epoch)
-        with _isolated_rngs(seed):
+        with rng.seeded(seed):
             keys = iter(_sampler_view(self.sampler, seed, epoch))
             order = list(keys if self._declared is None else islice(keys, self._declared + 1))
         expected = self._length if self._length is not None else len(order)
@@ -401,9 +399,9 @@ def _fresh_rng_like(value: Any, seed: int) -> Any:
         return torch.Generator(device=value.device).manual_seed(seed)
     if isinstance(value, random.Random):
         return random.Random(seed)
-    if numpy is not None and isinstance(value, numpy.random.Generator):
+    if isinstance(value, numpy.random.Generator):
         return numpy.random.default_rng(seed)
-    if numpy is not None and isinstance(value, numpy.random.RandomState):
+    if isinstance(value, numpy.random.RandomState):
         return numpy.random.RandomState(seed % 2**32)
     return None
 
@@ -417,63 +415,20 @@ def _mix(seed: int, purpose: str, index: int) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
-@dataclass(frozen=True, slots=True)
-class _RngState:
-    """torch's CPU, Python's and NumPy's global RNG states."""
-
-    torch_state: torch.Tensor
-    python_state: Any
-    numpy_state: Any
-
-    @classmethod
-    def capture(cls) -> _RngState:
-        return cls(torch.get_rng_state(), random.getstate(), numpy.random.get_state() if numpy is not None else None)
-
-    @classmethod
-    def seeded(cls, seed: int) -> _RngState:
-        outer = cls.capture()
-        torch.default_generator.manual_seed(seed)  # not torch.manual_seed: that also reseeds every CUDA device
-        random.seed(seed)
-        if numpy is not None:
-            numpy.random.seed(seed % 2**32)
-        state = cls.capture()
-        outer.install()
-        return state
-
-    def install(self) -> None:
-        torch.set_rng_state(self.torch_state)
-        random.setstate(self.python_state)
-        if numpy is not None:
-            numpy.random.set_state(self.numpy_state)
-
-
-@contextmanager
-def _isolated_rngs(seed: int | None) -> Iterator[None]:
-    """Run the block with the global RNGs seeded by ``seed`` (or as they are), and restore them afterwards."""
-    outer = _RngState.capture()
-    if seed is not None:
-        _RngState.seeded(seed).install()
-    try:
-        yield
-    finally:
-        outer.install()
-
-
 class _PrivateRngs:
     """A reader's own global-RNG states, swapped in only while it reads."""
 
     def __init__(self, seed: int) -> None:
-        self.state = _RngState.seeded(seed)
+        self.state = RngState.seeded(seed)
 
     @contextmanager
     def active(self) -> Iterator[None]:
-        outer = _RngState.capture()
-        self.state.install()
-        try:
-            yield
-        finally:
-            self.state = _RngState.capture()
-            outer.install()
+        with rng.kept(cuda=False):
+            self.state.install()
+            try:
+                yield
+            finally:
+                self.state = RngState.capture(cuda=False)
 
 
 # --- streams ------------------------------------------------------------------------------------------

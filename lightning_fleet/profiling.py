@@ -37,9 +37,7 @@ import copy
 import dataclasses
 import inspect
 import math
-import random
 import re
-import sys
 import types
 from collections import Counter
 from collections.abc import Mapping
@@ -51,10 +49,11 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
-from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
+from lightning_fleet import rng
 from lightning_fleet.planning import BlockSpec, FleetError, ModelSpec, Precision, Role
 from lightning_fleet.planning.model import layer_act_replicated_bytes, layer_act_sharded_bytes, layer_elementwise
 from lightning_fleet.runtime.deepspeed_config import TensorParallelSpec
@@ -517,22 +516,12 @@ def _dismantle(clone: nn.Module) -> None:
 
 @contextmanager
 def _global_state_kept() -> Iterator[None]:
-    """Torch CPU and CUDA, numpy and Python RNG states and the grad mode, as they were on entry, on exit."""
-    cpu = torch.get_rng_state()
-    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    np = sys.modules.get("numpy")
-    np_state = np.random.get_state() if np is not None else None
-    py_state = random.getstate()
+    """The RNG streams (lightning_fleet.rng) and the grad mode, as they were on entry, on exit."""
     grad = torch.is_grad_enabled()
     try:
-        yield
+        with rng.kept():
+            yield
     finally:
-        torch.set_rng_state(cpu)
-        if cuda is not None:
-            torch.cuda.set_rng_state_all(cuda)
-        if np_state is not None:
-            np.random.set_state(np_state)
-        random.setstate(py_state)
         torch.set_grad_enabled(grad)
 
 

@@ -30,7 +30,7 @@ from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 
 from lightning_fleet import calibrate
 from lightning_fleet.data import TrainingData, example_batch, inspect_training_loader, step_loader
-from lightning_fleet.elastic.callback import FleetCheckpoint, set_rng_state
+from lightning_fleet.elastic.callback import FleetCheckpoint
 from lightning_fleet.elastic.checkpoint import MANIFEST, committed, newest_verified, refuse_unsafe_pickles, set_aside, verify
 from lightning_fleet.elastic.compatibility import RESUME_POLICIES, incompatibility, job_facts
 from lightning_fleet.elastic.reshard import make_universal
@@ -65,6 +65,7 @@ from lightning_fleet.planning.plan import field_text
 from lightning_fleet.profiling import Profile, find_layers, profile, tensor_parallel_hook
 from lightning_fleet.progress import FleetProgress
 from lightning_fleet.registration import PRESETS
+from lightning_fleet.rng import RngState
 from lightning_fleet.runtime.deepspeed_config import deepspeed_config, runtime_constraints
 from lightning_fleet.runtime.pipeline import (
     build_pipeline,
@@ -560,7 +561,7 @@ class FleetStrategy(DeepSpeedStrategy):
             state = super().load_checkpoint(path / "state", weights_only)
             rank_file = path / f"rank-{self.global_rank:05d}.pt"
             if rank_file.is_file():
-                set_rng_state(torch.load(rank_file, weights_only=True))
+                RngState.from_checkpoint(torch.load(rank_file, weights_only=True)).install()
             how = "same plan and world"
         self.resumed_from = path
         if self.is_global_zero:

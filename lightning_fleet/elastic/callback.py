@@ -9,14 +9,12 @@ stops all ranks at the same step with one consistent checkpoint, and the job exi
 from __future__ import annotations
 
 import json
-import random
 import shutil
 import signal
 import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback
@@ -33,31 +31,7 @@ from lightning_fleet.elastic.checkpoint import (
     write_atomic,
 )
 from lightning_fleet.planning import FleetError
-
-
-def rng_state() -> dict[str, Any]:
-    """This process's RNG states as plain tensors and numbers (loadable with weights_only=True)."""
-    py = random.getstate()
-    np_state = np.random.get_state()
-    state = {
-        "python": [py[0], list(py[1]), py[2]],
-        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), int(np_state[2]), int(np_state[3]), float(np_state[4])],
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    """Inverse of :func:`rng_state`."""
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    kind, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+from lightning_fleet.rng import RngState
 
 
 class FleetCheckpoint(Callback):
@@ -149,7 +123,7 @@ class FleetCheckpoint(Callback):
             tmp.mkdir()
         strategy.barrier("fleet-checkpoint-start")
         trainer.save_checkpoint(tmp / "state", weights_only=False)  # a full, resumable checkpoint
-        torch.save(rng_state(), tmp / f"rank-{trainer.global_rank:05d}.pt")
+        torch.save(RngState.capture().to_checkpoint(), tmp / f"rank-{trainer.global_rank:05d}.pt")
         fsync_tree(tmp)
         strategy.barrier("fleet-checkpoint-written")
         if trainer.is_global_zero:
