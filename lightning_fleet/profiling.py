@@ -296,23 +296,13 @@ class _NullScheduler:
 
 
 def _optimizer_config(conf: Any) -> tuple[list[Any], list[Any]]:
-    """(optimizers, schedulers) from any ``configure_optimizers`` return format Lightning accepts."""
+    """(optimizers, schedulers) of a ``configure_optimizers`` answer, parsed as Lightning parses it."""
+    from lightning.pytorch.core.optimizer import _configure_optimizers
+
     if conf is None:
         return [], []
-    if isinstance(conf, Mapping):
-        scheduler = conf.get("lr_scheduler")
-        return [conf["optimizer"]], [] if scheduler is None else [_scheduler_of(scheduler)]
-    if isinstance(conf, (list, tuple)):
-        if len(conf) == 2 and isinstance(conf[0], (list, tuple)):
-            return list(conf[0]), [_scheduler_of(s) for s in conf[1]]
-        optimizers: list[Any] = []
-        schedulers: list[Any] = []
-        for item in conf:
-            more, extra = _optimizer_config(item)
-            optimizers += more
-            schedulers += extra
-        return optimizers, schedulers
-    return [conf], []
+    optimizers, schedulers, _ = _configure_optimizers(conf)
+    return list(optimizers), [_scheduler_of(s) for s in schedulers]
 
 
 def _scheduler_of(entry: Any) -> Any:
@@ -796,8 +786,7 @@ class _Recorder:
         self._switch("post")
 
     def batchnorm_pre(self, module: nn.Module, args: Any) -> None:
-        if module.training or getattr(module, "running_mean", None) is None:  # normalised over the batch
-            self.batchnorm = True
+        self.batchnorm = self.batchnorm or _normalises_over_the_batch(module)
 
     def add_elementwise(self, elements: int) -> None:
         self._phase().elementwise += elements
@@ -978,21 +967,14 @@ def _merge_repeats(blocks: list[BlockSpec]) -> list[BlockSpec]:
     for block in blocks:
         if out and out[-1].role is Role.LAYER and block.role is Role.LAYER and _same_costs(out[-1], block):
             prev = out[-1]
-            name = prev.name.split("..")[0] + f"..{block.name}"
-            out[-1] = BlockSpec(**{**_fields(prev), "count": prev.count + 1, "name": name})
+            out[-1] = dataclasses.replace(prev, count=prev.count + 1, name=prev.name.split("..")[0] + f"..{block.name}")
         else:
             out.append(block)
     return out
 
 
-def _fields(block: BlockSpec) -> dict[str, Any]:
-    return {f: getattr(block, f) for f in BlockSpec.__dataclass_fields__}
-
-
 def _same_costs(a: BlockSpec, b: BlockSpec) -> bool:
-    return {k: v for k, v in _fields(a).items() if k not in ("name", "count")} == {
-        k: v for k, v in _fields(b).items() if k not in ("name", "count")
-    }
+    return dataclasses.replace(a, name="", count=1) == dataclasses.replace(b, name="", count=1)
 
 
 def _split_ends(rest: list[torch.Tensor], pre: _Phase, post: _Phase) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -1152,10 +1134,13 @@ def _parameters_spec(
 # --- does the loss depend on the micro-batch? ----------------------------------------------------------
 
 
+def _normalises_over_the_batch(m: nn.Module) -> bool:
+    """A BatchNorm that normalises with the batch's statistics (training, or no running statistics)."""
+    return isinstance(m, nn.modules.batchnorm._BatchNorm) and (m.training or m.running_mean is None)
+
+
 def _has_batchnorm_in_training(module: nn.Module) -> bool:
-    return any(
-        isinstance(m, nn.modules.batchnorm._BatchNorm) and (m.training or m.running_mean is None) for m in module.modules()
-    )
+    return any(_normalises_over_the_batch(m) for m in module.modules())
 
 
 def _batch_dependence(module: nn.Module, batch: Any, flops_per_sample: float, batchnorm: bool) -> tuple[bool | None, str]:

@@ -16,6 +16,7 @@ source file. Nothing is copied into the repository and nothing else is changed.
 
 from __future__ import annotations
 
+import ast
 import importlib.abc
 import importlib.machinery
 import importlib.util
@@ -38,19 +39,34 @@ def _module_name(path: Path) -> str:
     return ".".join(("lightning_fleet", *parts))
 
 
+def _imports(path: Path) -> set[str]:
+    """Every module a source file imports, at its top or inside functions (``from a import b``: ``a`` and ``a.b``)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+    return found
+
+
 @cache
 def mirrored() -> dict[str, Path]:
-    """lightning_fleet modules that need a pytorch_lightning copy: those importing Lightning, and those importing them."""
+    """lightning_fleet modules that need a pytorch_lightning copy: those importing Lightning, and those importing them
+    (read from their import statements, so the pure planning core, which imports neither, is shared, never copied)."""
     sources = {
         _module_name(p): p for p in PACKAGE_ROOT.rglob("*.py") if "pl" not in p.relative_to(PACKAGE_ROOT).parts[:1]
     }
-    texts = {name: path.read_text() for name, path in sources.items()}
-    chosen = {name for name, text in texts.items() if _LIGHTNING_IMPORT.search(text) and name != "lightning_fleet.registration"}
+    imports = {name: _imports(path) for name, path in sources.items()}
+    chosen = {
+        name for name, found in imports.items()
+        if any(_LIGHTNING_IMPORT.match(i) for i in found) and name != "lightning_fleet.registration"
+    }
     grew = True
     while grew:  # close over "imports a mirrored module"
         grew = False
-        for name, text in texts.items():
-            if name not in chosen and name != "lightning_fleet" and any(re.search(rf"\b{re.escape(m)}\b", text) for m in chosen):
+        for name, found in imports.items():
+            if name not in chosen and name != "lightning_fleet" and found & chosen:
                 chosen.add(name)
                 grew = True
     return {name: sources[name] for name in sorted(chosen)}
