@@ -24,6 +24,7 @@ from lightning_fleet.planning import (
     load_cluster,
     load_model,
     model_presets,
+    narrow,
     parse_partial_plan,
     parse_plan,
     plan,
@@ -115,14 +116,15 @@ def _constraints(args: argparse.Namespace) -> Constraints:
     for flag in ("max_tp", "max_pp", "max_vpp"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise FleetError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    return parse_partial_plan(args.fix).constraints(Constraints(
+    base = Constraints(
         zero_stages=zero,
         max_tp=args.max_tp,
         max_pp=args.max_pp,
         max_vpp=args.max_vpp,
         allow_offload=not args.no_offload,
         allow_sp=not args.no_sp,
-    ))
+    )
+    return narrow(base, parse_partial_plan(args.fix))
 
 
 def _gib(nbytes: float) -> str:

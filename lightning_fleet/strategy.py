@@ -56,6 +56,7 @@ from lightning_fleet.planning import (
     Recompute,
     estimate,
     load_cluster,
+    narrow,
     parse_partial_plan,
     parse_plan,
 )
@@ -698,7 +699,7 @@ class FleetStrategy(DeepSpeedStrategy):
             return str(resumed)
         constraints = self._constraints()
         _check_runtime_supports(partial, constraints, self.lightning_module)
-        constraints = partial.constraints(constraints)
+        constraints = narrow(constraints, partial)
         if partial.complete:  # everything fixed: train it as given (priced, not searched)
             forced = partial.to_plan(spec.global_batch_size)
             _print_table(estimate(spec, cluster, forced), None, cluster, notes + _pipeline_note(forced))
@@ -713,7 +714,7 @@ class FleetStrategy(DeepSpeedStrategy):
         try:
             constraints = self._constraints()
             _check_runtime_supports(whole, constraints, self.lightning_module)
-            whole.constraints(constraints)
+            narrow(constraints, whole)
         except FleetError as err:
             raise FleetError(
                 f"checkpoint {self._resume_from} was trained with plan {resumed}, which this job may not run ({err}): allow it "

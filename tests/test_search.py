@@ -283,7 +283,7 @@ def test_fastest_link_bound_prunes_and_a_wrong_bound_is_caught(monkeypatch):
 
 from functools import lru_cache  # noqa: E402
 
-from lightning_fleet.planning import PartialPlan, parse_partial_plan  # noqa: E402
+from lightning_fleet.planning import PartialPlan, narrow, parse_partial_plan  # noqa: E402
 from lightning_fleet.planning.plan import DEFAULT_ORDER  # noqa: E402
 
 SMALL = {"offload-2x4": CASES[1].values, "tight-2x2": CASES[0].values}
@@ -307,7 +307,7 @@ def check_against_brute_force(case: str, partial: PartialPlan) -> None:
     """Only plans with the fixed values are candidates; counts, the best time and every returned plan match brute force."""
     model, cluster = SMALL[case]
     candidates = [e for e in every_plan(case) if admitted(e.plan, partial)]  # at the fixed placement, else the default
-    result = plan(model, cluster, top=3, exhaustive=True, constraints=partial.constraints(Constraints()))
+    result = plan(model, cluster, top=3, exhaustive=True, constraints=narrow(Constraints(), partial))
     assert result.candidates == len(candidates) > 0
     assert result.feasible == sum(e.fits for e in candidates)
     # without a fixed order the search may also place the best plans otherwise: compare with every placement
@@ -342,7 +342,7 @@ def test_fixed_axes_together_match_brute_force(text):
         partial = parse_partial_plan(text)
         if not any(admitted(e.plan, partial) for e in every_plan(case)):
             with pytest.raises(NoFeasiblePlanError):
-                plan(model, cluster, constraints=partial.constraints(Constraints()))
+                plan(model, cluster, constraints=narrow(Constraints(), partial))
             continue
         try:
             check_against_brute_force(case, partial)
@@ -356,7 +356,7 @@ def test_a_fully_fixed_string_gives_exactly_that_plan():
     partial = parse_partial_plan("dp=2,tp=2,pp=2,zero=1,mbs=2,recompute=full,sp=true,vpp=2,offload=optimizer")
     assert partial.complete
     forced = partial.to_plan(model.global_batch_size)
-    result = plan(model, cluster, constraints=partial.constraints(Constraints()))
+    result = plan(model, cluster, constraints=narrow(Constraints(), partial))
     assert result.candidates == 1 and result.best.plan == forced and len(result.plans) == 1
     alone = estimate(model, cluster, forced)
     assert (result.best.memory, result.best.time) == (alone.memory, alone.time)
@@ -367,7 +367,7 @@ def test_fixed_micro_batch_size_is_kept_when_a_larger_one_is_faster():
     model, cluster = SMALL["offload-2x4"]
     free = plan(model, cluster, top=1).best.plan.mbs
     pinned = 1 if free != 1 else 2
-    result = plan(model, cluster, top=5, constraints=PartialPlan(mbs=pinned).constraints(Constraints()))
+    result = plan(model, cluster, top=5, constraints=narrow(Constraints(), PartialPlan(mbs=pinned)))
     assert {e.plan.mbs for e in result.plans} == {pinned}
 
 
@@ -400,7 +400,7 @@ NARROW_ERRORS = [
 def test_a_fixed_value_outside_the_runtime_is_one_line(text, base, message):
     """Narrowing a runtime's constraints to a value it does not run names the key, the value and what is allowed."""
     with pytest.raises(PlanError) as err:
-        parse_partial_plan(text).constraints(Constraints(**base))
+        narrow(Constraints(**base), parse_partial_plan(text))
     assert message in str(err.value) and "\n" not in str(err.value)
     assert str(err.value).startswith(f"plan {text!r}: ")
 
@@ -409,12 +409,12 @@ def test_narrowing_keeps_the_runtime_limits():
     """Fixed axes are added to what the base allows; nothing the base forbids comes back."""
     base = Constraints(max_tp=1, max_pp=1, recompute=("none", "full"), allow_sp=False, search_placement=False,
                        allow_offload=False)
-    narrowed = parse_partial_plan("dp=2,zero=1,mbs=4").constraints(base)
+    narrowed = narrow(base, parse_partial_plan("dp=2,zero=1,mbs=4"))
     assert (narrowed.dp, narrowed.zero_stages, narrowed.mbs) == (2, (1,), (4,))
     kept = (narrowed.max_tp, narrowed.max_pp, narrowed.allow_sp, narrowed.allow_offload, narrowed.search_placement)
     assert kept == (1, 1, False, False, False)
     assert narrowed.recompute == (Recompute.NONE, Recompute.FULL)
-    assert parse_partial_plan("").constraints(base) == base
+    assert narrow(base, parse_partial_plan("")) == base
 
 
 # --- truthful "nothing fits" --------------------------------------------------------------------------------------
@@ -430,7 +430,7 @@ def test_require_offload_without_a_host_section_says_so():
     assert "(memory_gib, pcie_GBps)" in message and "drop require_offload" in message
     assert "divide" not in message and "\n" not in message
     with pytest.raises(NoFeasiblePlanError, match="offload=optimizer needs host memory.*leave offload to the planner"):
-        cons = PartialPlan(offload="optimizer").constraints(Constraints())
+        cons = narrow(Constraints(), PartialPlan(offload="optimizer"))
         plan(model, make_cluster(nodes=1, devices_per_node=4, host=False), constraints=cons)
 
 

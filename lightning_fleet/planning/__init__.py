@@ -34,7 +34,7 @@ from lightning_fleet.planning.model import (
     transformer_model,
 )
 from lightning_fleet.planning.plan import Axis, Offload, PartialPlan, Plan, Recompute, parse_partial_plan, parse_plan
-from lightning_fleet.planning.search import Constraints, PlanResult, Rejection
+from lightning_fleet.planning.search import Constraints, PlanResult, Rejection, narrow
 from lightning_fleet.planning.search import plan  # bound last: the function, not the plan module
 
 __all__ = [
@@ -71,6 +71,7 @@ __all__ = [
     "load_transformer",
     "model_from_dict",
     "model_presets",
+    "narrow",
     "parse_partial_plan",
     "parse_plan",
     "plan",

@@ -18,12 +18,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import TYPE_CHECKING, Mapping
+from typing import Mapping
 
 from lightning_fleet.planning.errors import PlanError
-
-if TYPE_CHECKING:
-    from lightning_fleet.planning.search import Constraints
 
 
 class Axis(StrEnum):
@@ -351,13 +348,6 @@ class PartialPlan:
                     f"plan {str(self)!r} already fixes {name}={field_text(current)}; it cannot also be {field_text(value)}"
                 )
         return dataclasses.replace(self, **fields)  # type: ignore[arg-type]
-
-    def constraints(self, base: "Constraints") -> "Constraints":
-        """``base`` (what a runtime executes) narrowed to the fixed axes; PlanError naming the key, the value and what
-        ``base`` allows when a fixed value is outside it. See :func:`~lightning_fleet.planning.search.narrow`."""
-        from lightning_fleet.planning.search import narrow
-
-        return narrow(base, self)
 
 
 def field_text(value: object) -> str:
