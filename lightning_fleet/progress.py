@@ -1,4 +1,5 @@
-"""FleetProgress: what a FleetStrategy job shows while it trains and when it ends (rank 0 only).
+"""FleetProgress: what a FleetStrategy job shows while it trains and when it ends (rank 0 only), and the measured
+against predicted step time it logs (``fleet/measured_step_s``, ``fleet/predicted_step_s``).
 
 Every ``Trainer(log_every_n_steps)`` optimizer steps, when the Trainer has no progress bar, one line:
 
@@ -17,6 +18,8 @@ from typing import Any, Mapping
 
 import torch
 from lightning.pytorch import Callback
+
+from lightning_fleet.planning.cluster import GIB
 
 
 def loss_of(outputs: Any, metrics: Mapping[str, Any]) -> float | None:
@@ -38,7 +41,9 @@ def validation_loss(metrics: Mapping[str, Any]) -> float | None:
 class FleetProgress(Callback):
     """Progress lines and an end-of-training summary for a FleetStrategy fit (added by the strategy; rank 0 prints)."""
 
-    def __init__(self) -> None:
+    def __init__(self, lines: bool = True) -> None:
+        self.lines = lines
+        """Print the progress lines and the summary (the step-time metrics are logged either way)."""
         self.step_seconds: list[float] = []
         """Wall time between consecutive optimizer steps of this fit (data loading included)."""
         self.last_loss: float | None = None
@@ -54,16 +59,31 @@ class FleetProgress(Callback):
         self._first_step = trainer.global_step
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        """Time the step; on rank 0 keep its loss (one host sync) and print a line every ``log_every_n_steps``."""
+        """Time the step and log measured vs predicted step time (and on CUDA peak memory); on rank 0 keep its loss (one
+        host sync) and print a line every ``log_every_n_steps``."""
         now = time.perf_counter()
         self.step_seconds.append(now - self._last)
         self._last = now
-        if not trainer.is_global_zero:
+        self._log_metrics(trainer, pl_module)
+        if not trainer.is_global_zero or not self.lines:
             return
         self.last_loss = loss_of(outputs, trainer.callback_metrics)
         every = max(1, int(trainer.log_every_n_steps or 50))
         if trainer.progress_bar_callback is None and trainer.global_step % every == 0:
             print(self._line(trainer), flush=True)
+
+    def _log_metrics(self, trainer: Any, pl_module: Any) -> None:
+        """``fleet/predicted_step_s`` and ``fleet/measured_step_s`` (from the third step on); on CUDA also
+        ``fleet/predicted_peak_gib`` and ``fleet/measured_peak_gib``."""
+        estimate, measured = getattr(trainer.strategy, "estimate", None), self._measured()
+        if estimate is None or measured is None or len(self.step_seconds) < 3:
+            return
+        pl_module.log("fleet/predicted_step_s", estimate.time.step_s, rank_zero_only=True)
+        pl_module.log("fleet/measured_step_s", measured, rank_zero_only=True)
+        device = trainer.strategy.root_device
+        if device.type == "cuda":
+            pl_module.log("fleet/predicted_peak_gib", estimate.memory.total_bytes / GIB, rank_zero_only=True)
+            pl_module.log("fleet/measured_peak_gib", torch.cuda.max_memory_allocated(device) / GIB, rank_zero_only=True)
 
     def _measured(self) -> float | None:
         """Median step time, leaving out the first step (warm-up: allocation, first collectives)."""
@@ -95,7 +115,7 @@ class FleetProgress(Callback):
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         """Rank 0: the summary of this fit."""
-        if not trainer.is_global_zero:
+        if not trainer.is_global_zero or not self.lines:
             return
         steps = trainer.global_step - self._first_step
         plan = getattr(trainer.strategy, "plan", None)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import statistics
 import sys
 import time
 from datetime import timedelta
@@ -200,8 +199,6 @@ class FleetStrategy(DeepSpeedStrategy):
         self._engine: Any = None  # the DeepSpeed engine of the last fit (kept for saving after evaluation)
         self._module_record: Any = None  # what restore_module needs to hand the user's module back
         self._training_precision: Any = None  # DeepSpeed's precision plugin while an evaluation uses a plain one
-        self._step_started: float | None = None
-        self._step_times: list[float] = []
 
     # --- Lightning's CUDA-only seams, lifted on CPU ---------------------------------------------
 
@@ -327,12 +324,11 @@ class FleetStrategy(DeepSpeedStrategy):
             with deterministic_errors():  # every attempt of this job would raise them again: no restart loop
                 self._facts = job_facts(self.lightning_module, global_batch_size=self.global_batch_size, data_seed=_sampler_seed())
                 self._attach_checkpointing(trainer)
-                if self.progress and not any(isinstance(c, FleetProgress) for c in trainer.callbacks):
-                    trainer.callbacks.append(FleetProgress())
+                if not any(isinstance(c, FleetProgress) for c in trainer.callbacks):
+                    trainer.callbacks.append(FleetProgress(lines=self.progress))
                 self._choose_plan(trainer)
                 self._prepare_reshard()
                 self._use_training_precision()
-                self._step_started, self._step_times = None, []
                 super().setup(trainer)
         else:
             self._setup_evaluation(trainer)
@@ -785,7 +781,6 @@ class FleetStrategy(DeepSpeedStrategy):
         batch, *rest = args
         if not isinstance(batch, MicroBatches):
             return super().training_step(*args, **kwargs)
-        self._log_step_times()
         if self.plan is not None and self.plan.pp > 1:
             return self._pipeline_step(batch)
         if not self.lightning_module.automatic_optimization:  # the plan has one micro-batch; the user steps
@@ -838,20 +833,6 @@ class FleetStrategy(DeepSpeedStrategy):
             return super().validation_step(*args, **kwargs)
         with self.precision_plugin.val_step_context():
             return self.lightning_module.validation_step(*args, **kwargs)
-
-    def _log_step_times(self) -> None:
-        now = time.perf_counter()
-        if self._step_started is not None:
-            self._step_times.append(now - self._step_started)
-        self._step_started = now
-        if len(self._step_times) >= 3 and self.estimate is not None:
-            module = self.lightning_module
-            measured = statistics.median(self._step_times[-20:])
-            module.log("fleet/predicted_step_s", self.estimate.time.step_s, rank_zero_only=True)
-            module.log("fleet/measured_step_s", measured, rank_zero_only=True)
-            if self.root_device.type == "cuda":
-                module.log("fleet/predicted_peak_gib", self.estimate.memory.total_bytes / GIB, rank_zero_only=True)
-                module.log("fleet/measured_peak_gib", torch.cuda.max_memory_allocated(self.root_device) / GIB, rank_zero_only=True)
 
     def save_checkpoint(self, checkpoint: dict, filepath: Any, storage_options: Any = None) -> None:
         """DeepSpeed's sharded checkpoint, with the plan and global batch recorded for resume, and the layout
