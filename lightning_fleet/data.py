@@ -270,7 +270,24 @@ def step_loader(
         pin = data.options.pin_memory
         return DataLoader(steps, batch_size=None, collate_fn=_as_is, pin_memory=pin, generator=torch.Generator())
     sampler = _global_batch_sampler(data, global_batch_size, dp_size, dp_rank, seed, first_step)
-    return DataLoader(data.dataset, batch_sampler=sampler, collate_fn=collate, **data.options.kwargs())
+    return _StepLoader(data.dataset, batch_sampler=sampler, collate_fn=collate, seed=seed, **data.options.kwargs())
+
+
+class _StepLoader(DataLoader):
+    """The step DataLoader of map-style data. Each iteration draws its workers' base seed from a generator of its own,
+    seeded by (seed, epoch), not from the global torch RNG: an iterator created mid-epoch by a resumed job would
+    otherwise draw once more than the job that never stopped, and its dropout would continue another random stream;
+    and an epoch's workers get the same seeds whether or not the job was resumed."""
+
+    def __init__(self, *args: Any, seed: int, **kwargs: Any) -> None:
+        super().__init__(*args, generator=torch.Generator(), **kwargs)
+        self.seed = seed
+
+    def __iter__(self) -> Any:
+        sampler = self.batch_sampler
+        assert isinstance(sampler, GlobalBatchSampler)
+        self.generator.manual_seed(_mix(self.seed, "workers", sampler.first_step() // sampler.steps_per_epoch))
+        return super().__iter__()
 
 
 def _check_split(global_batch_size: int, dp_size: int, dp_rank: int, gas: int) -> None:
