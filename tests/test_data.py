@@ -386,7 +386,7 @@ def test_loader_options_are_carried_over():
     for name in ("num_workers", "pin_memory", "worker_init_fn", "persistent_workers", "multiprocessing_context"):
         assert getattr(loader, name) == getattr(user, name), name
     assert (loader.prefetch_factor, loader.timeout) == (user.prefetch_factor, user.timeout) == (3, 7.0)
-    assert loader.generator is None  # the order is the strategy's; the user's generator is not consumed
+    assert loader.generator is not user.generator  # the order is the strategy's; the user's generator is not consumed
     assert len(loader) == 4
     stream = step_loader(
         inspect_training_loader(DataLoader(ShuffledStream(), batch_size=4, pin_memory=True)),
