@@ -88,27 +88,43 @@ def regret(chosen_measured_s: float, measured_s: list[float]) -> float:
 def executable_plans(world: int, *, num_layers: int, num_heads: int, global_batch: int) -> list[str]:
     """Every plan FleetStrategy runs for the example GPT on ``world`` processes at ``global_batch`` samples per step.
 
-    The runtime's limits (runtime/deepspeed_config.runtime_constraints): no sp or interleaving,
-    default placement, ZeRO <= 1 and no tp or offload with pp, offload needs ZeRO >= 1 and
-    parameter offload ZeRO-3, recomputation none or full.
+    The cost model's layouts (tp dividing the heads, at most one stage per layer, dp dividing the batch) and every
+    value of the other axes a Plan accepts (offload needs ZeRO >= 1, parameter offload ZeRO-3), kept when DeepSpeed
+    executes them (``DEEPSPEED.refusal``, runtime/deepspeed/capabilities.py) for a module with every hook, as the
+    example GPT has.
     """
+    from lightning_fleet.planning import Plan, PlanError
+    from lightning_fleet.runtime.base import ModuleHooks
+    from lightning_fleet.runtime.deepspeed.capabilities import DEEPSPEED
+
+    hooks = ModuleHooks.assumed("GPT")
     plans = []
     for tp in (d for d in range(1, world + 1) if world % d == 0 and num_heads % d == 0):
         for pp in (d for d in range(1, world // tp + 1) if (world // tp) % d == 0 and d <= num_layers):
             dp = world // (tp * pp)
-            if tp > 1 and pp > 1 or global_batch % dp:
+            if global_batch % dp:
                 continue
             per_replica = global_batch // dp
-            for zero in range(0, 2 if pp > 1 else 4):
-                offloads = ["none"] if zero == 0 or pp > 1 else ["none", "optimizer"] + (["optimizer+params"] if zero == 3 else [])
-                for offload in offloads:
-                    for recompute in ("none", "full"):
-                        for mbs in (m for m in range(1, per_replica + 1) if per_replica % m == 0):
-                            plans.append(
-                                f"dp={dp},tp={tp},pp={pp},zero={zero},mbs={mbs},gas={per_replica // mbs},"
-                                f"recompute={recompute},sp=false,vpp=1,offload={offload}"
-                            )
+            for zero, offload, recompute, sp, vpp in _other_axes(num_layers // pp):
+                for mbs in (m for m in range(1, per_replica + 1) if per_replica % m == 0):
+                    try:
+                        plan = Plan(dp=dp, tp=tp, pp=pp, zero=zero, mbs=mbs, gas=per_replica // mbs, recompute=recompute,
+                                    sp=sp, vpp=vpp, offload=offload)
+                    except PlanError:  # a combination the cost model gives no meaning (e.g. offload with ZeRO-0)
+                        continue
+                    if DEEPSPEED.refusal(plan, hooks) is None:
+                        plans.append(str(plan))
     return plans
+
+
+def _other_axes(layers_per_stage: int) -> list[tuple[int, object, object, bool, int]]:
+    """(zero, offload, recompute, sp, vpp) in the order the benchmark lists plans."""
+    from itertools import product
+
+    from lightning_fleet.planning import Offload, Recompute
+
+    vpps = [v for v in range(1, layers_per_stage + 1) if layers_per_stage % v == 0] or [1]
+    return list(product(range(4), Offload, Recompute, (False, True), vpps))
 
 
 # --- running -----------------------------------------------------------------------------------------
@@ -220,7 +236,8 @@ def predict_all(worlds: list[int], clusters: dict[int, Path], device: str) -> tu
     from lightning_fleet.planning import estimate, load_cluster, parse_plan
     from lightning_fleet.planning.memory import reserve_bytes
     from lightning_fleet.planning import plan as search
-    from lightning_fleet.runtime.deepspeed_config import runtime_constraints
+    from lightning_fleet.runtime.base import ModuleHooks
+    from lightning_fleet.runtime.deepspeed.capabilities import DEEPSPEED
 
     predictions, chosen = [], {}
     for size, shape in SIZES.items():
@@ -232,7 +249,7 @@ def predict_all(worlds: list[int], clusters: dict[int, Path], device: str) -> tu
                 memory = e.memory.total_bytes + e.memory.host_bytes if device == "cpu" else e.memory.total_bytes - reserve_bytes(
                     e.memory.limit_bytes, cluster.calibration)
                 predictions.append(Predicted(size, world, str(e.plan), e.time.step_s, memory, e.memory.fits))
-            constraints = runtime_constraints(has_tensor_parallel=True, has_pipeline=True, has_layers=True)
+            constraints = DEEPSPEED.constraints(ModuleHooks.assumed(f"GPT {size}"))  # the example GPT has every hook
             chosen[(size, world)] = str(search(spec, cluster, constraints=constraints).best.plan)
     return predictions, chosen
 

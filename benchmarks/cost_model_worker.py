@@ -39,7 +39,7 @@ from lightning.pytorch import Callback, Trainer, seed_everything  # noqa: E402
 
 import lightning_fleet  # noqa: E402
 import lightning_fleet.strategy  # noqa: E402,F401
-from lightning_fleet.calibrate import across_ranks  # noqa: E402
+from lightning_fleet.calibrate.measure import across_ranks  # noqa: E402
 from benchmarks.cost_model_sizes import DATA_BYTES, GLOBAL_BATCH, SIZES  # noqa: E402
 from examples.gpt.data import StdlibText  # noqa: E402
 from examples.gpt.model import GPT  # noqa: E402

@@ -18,7 +18,10 @@ from lightning_fleet.planning import (
     Estimate,
     FleetError,
     ModelSpec,
+    PartialPlan,
+    Plan,
     PlanResult,
+    RejectionKind,
     cluster_presets,
     estimate,
     load_cluster,
@@ -31,6 +34,8 @@ from lightning_fleet.planning import (
 )
 from lightning_fleet.planning.cluster import GIB
 from lightning_fleet.planning.search import explain_misfit
+from lightning_fleet.runtime import RUNTIMES, capabilities_of
+from lightning_fleet.runtime.base import Capabilities, ModuleHooks
 
 EXIT_USAGE = 2
 EXIT_PIPE = 128 + 13
@@ -50,6 +55,15 @@ def _add_specs(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--global-batch-size", type=int, help="override the model file's global_batch_size")
     parser.add_argument("--nodes", type=int, help="override the node count of a homogeneous cluster")
     parser.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
+    parser.add_argument(
+        "--runtime",
+        default="any",
+        metavar="{" + ",".join(RUNTIMES) + "}",
+        help="what must execute the plan: 'any' (default) plans and prices every layout the cost model knows; 'deepspeed' "
+        "only what strategy='fleet' runs on DeepSpeed (no sp, no vpp, no selective recomputation, zero <= 1 and no tp "
+        "or offload with pp, the default placement), assuming the module provides fleet_tensor_parallel() and "
+        "fleet_pipeline()",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -108,7 +122,7 @@ def _load(args: argparse.Namespace) -> tuple[ModelSpec, ClusterSpec]:
     return model, cluster
 
 
-def _constraints(args: argparse.Namespace) -> Constraints:
+def _constraints(args: argparse.Namespace, runtime: Capabilities) -> Constraints:
     try:
         zero = tuple(int(z) for z in args.zero_stages.split(",") if z.strip())
     except ValueError:
@@ -116,15 +130,21 @@ def _constraints(args: argparse.Namespace) -> Constraints:
     for flag in ("max_tp", "max_pp", "max_vpp"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise FleetError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    base = Constraints(
-        zero_stages=zero,
-        max_tp=args.max_tp,
-        max_pp=args.max_pp,
-        max_vpp=args.max_vpp,
-        allow_offload=not args.no_offload,
-        allow_sp=not args.no_sp,
+    base = runtime.constraints(
+        ModuleHooks.assumed(), allow_offload=not args.no_offload, max_tp=args.max_tp, max_pp=args.max_pp, zero_stages=zero
     )
-    return narrow(base, parse_partial_plan(args.fix))
+    vpp_limits = [limit for limit in (base.max_vpp, args.max_vpp) if limit is not None]
+    base = dataclasses.replace(base, max_vpp=min(vpp_limits, default=None), allow_sp=base.allow_sp and not args.no_sp)
+    fixed = parse_partial_plan(args.fix)
+    _refuse_unrunnable(runtime, fixed)
+    return narrow(base, fixed)
+
+
+def _refuse_unrunnable(runtime: Capabilities, plan: Plan | PartialPlan) -> None:
+    """FleetError (one line: why) when ``runtime`` cannot execute ``plan`` for a module that has every hook."""
+    why = runtime.refusal(plan, ModuleHooks.assumed())
+    if why:
+        raise FleetError(f"{why} (--runtime {runtime.name})")
 
 
 def _gib(nbytes: float) -> str:
@@ -192,20 +212,20 @@ def _print_plan(result: PlanResult, model: ModelSpec, cluster: ClusterSpec) -> N
     if result.rejected:
         why = Table("not chosen", "why", title="runners-up, then misfits (closest first)")
         why.columns[0].overflow = "fold"
-        slower = [r for r in result.rejected if r.reason.startswith("slower")][:5]
-        misfits = [r for r in result.rejected if not r.reason.startswith("slower")][:5]
+        slower = [r for r in result.rejected if r.kind is RejectionKind.SLOWER][:5]
+        misfits = [r for r in result.rejected if r.kind is not RejectionKind.SLOWER][:5]
         for r in slower + misfits:
             why.add_row(r.plan, r.reason)
         console.print(why)
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    """Run lightning_fleet.calibrate in its own process(es): alone, or under torchrun on 127.0.0.1 for several."""
+    """Run lightning_fleet.calibrate.command in its own process(es): alone, or under torchrun on 127.0.0.1 for several."""
     import subprocess
 
     if args.nproc_per_node < 1:
         raise FleetError(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}")
-    module = ["-m", "lightning_fleet.calibrate", "--out", args.out] + (["--device", args.device] if args.device else [])
+    module = ["-m", "lightning_fleet.calibrate.command", "--out", args.out] + (["--device", args.device] if args.device else [])
     module += ["--no-framework"] if args.no_framework else []
     launcher, env = [sys.executable], dict(os.environ)
     if args.nproc_per_node > 1:
@@ -248,8 +268,11 @@ def _run(argv: Sequence[str] | None) -> int:
     if args.command == "export":
         return _export(args)
     model, cluster = _load(args)
+    runtime = capabilities_of(args.runtime)
     if args.command == "estimate":
-        result = estimate(model, cluster, parse_plan(args.plan, global_batch_size=model.global_batch_size))
+        chosen = parse_plan(args.plan, global_batch_size=model.global_batch_size)
+        _refuse_unrunnable(runtime, chosen)
+        result = estimate(model, cluster, chosen)
         if args.json:
             print(json.dumps(result.to_dict()))
         else:
@@ -257,7 +280,7 @@ def _run(argv: Sequence[str] | None) -> int:
         return 0
     if args.top < 1:
         raise FleetError(f"--top must be >= 1, got {args.top}")
-    result = plan(model, cluster, top=args.top, exhaustive=bool(args.plot), constraints=_constraints(args))
+    result = plan(model, cluster, top=args.top, exhaustive=bool(args.plot), constraints=_constraints(args, runtime))
     if args.plot:
         from lightning_fleet.plotting import plot_candidates
 

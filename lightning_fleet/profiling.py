@@ -28,7 +28,7 @@ Layers are the module's ``fleet_layers()`` (optional hook) or, without it, the l
 ``nn.ModuleList``/``nn.Sequential`` anywhere in the module whose children are all of one type.
 ``fleet_tensor_parallel()`` (optional hook) gives the head count and the AutoTP patterns, from which
 each layer's tensor-parallel all-reduces are counted. Both hooks must be pure: they are called on
-the module itself, and a malformed answer is a FleetError.
+the module itself, and a malformed answer is a FleetError (both are read in :mod:`lightning_fleet.hooks`).
 """
 
 from __future__ import annotations
@@ -54,9 +54,10 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from lightning_fleet import rng
-from lightning_fleet.planning import BlockSpec, FleetError, ModelSpec, Precision, Role
+from lightning_fleet.hooks import find_layers, tensor_parallel_hook
+from lightning_fleet.planning import BlockSpec, ModelSpec, Precision, Role
 from lightning_fleet.planning.model import layer_act_replicated_bytes, layer_act_sharded_bytes, layer_elementwise
-from lightning_fleet.runtime.deepspeed_config import TensorParallelSpec
+from lightning_fleet.runtime.base import TensorParallelSpec
 
 aten = torch.ops.aten
 
@@ -116,44 +117,6 @@ _METHOD_WORDS = {
     Method.REAL: f"training_step on {REAL_SAMPLES} real samples",
     Method.PARAMETERS: "parameter counts only",
 }
-
-
-# --- the module's layer stack and tensor-parallel hook --------------------------------------------
-
-
-def find_layers(module: nn.Module) -> nn.ModuleList | nn.Sequential | None:
-    """The layer stack: ``fleet_layers()`` if the module has it, else the largest (by parameters) ModuleList or
-    Sequential anywhere in the module whose children all have one type (a parent before its nested stacks)."""
-    hook = getattr(module, "fleet_layers", None)
-    if callable(hook):
-        layers = hook()
-        if not isinstance(layers, (nn.ModuleList, nn.Sequential)) or len(layers) == 0:
-            raise FleetError(f"{type(module).__name__}.fleet_layers() must return a non-empty nn.ModuleList or nn.Sequential")
-        return layers
-    stacks = [m for m in module.modules() if isinstance(m, (nn.ModuleList, nn.Sequential)) and _repeats_one_type(m)]
-    sized = [(sum(p.numel() for p in m.parameters()), m) for m in stacks]
-    best = max(sized, key=lambda pair: pair[0], default=(0, None))
-    return best[1] if best[0] > 0 else None
-
-
-def _repeats_one_type(container: nn.Module) -> bool:
-    return len(container) > 0 and len({type(child) for child in container}) == 1
-
-
-def tensor_parallel_hook(module: nn.Module) -> tuple[int, TensorParallelSpec] | None:
-    """``fleet_tensor_parallel()`` as (num_heads, patterns), or None when the module has no such hook."""
-    hook = getattr(module, "fleet_tensor_parallel", None)
-    if not callable(hook):
-        return None
-    spec = hook()
-    try:
-        heads = int(spec["num_heads"])
-        patterns = TensorParallelSpec(column=tuple(spec["column"]), row=tuple(spec["row"]))
-    except (KeyError, TypeError, ValueError):
-        raise FleetError(
-            f"{type(module).__name__}.fleet_tensor_parallel() must return {{'num_heads': int, 'column': [regex...], 'row': [regex...]}}"
-        ) from None
-    return heads, patterns
 
 
 # --- batches ----------------------------------------------------------------------------------------
@@ -1302,8 +1265,6 @@ __all__ = [
     "Method",
     "Profile",
     "batch_size_of",
-    "find_layers",
     "profile",
     "profile_module",
-    "tensor_parallel_hook",
 ]

@@ -10,6 +10,10 @@ What is registered is a small factory per name, not the strategy class: the clas
 when a Trainer asks for it (Lightning's registry calls ``entry["strategy"](**init_params)``). Importing
 the strategy inside Lightning's own import would re-enter modules that are still initialising (the
 circular ImportError of ``from lightning_fleet import FleetCheckpoint, FleetStrategy`` before Lightning).
+
+Above the strategy, which it builds on request (by module name, through importlib); the strategy does
+not import it: the names and their arguments are plain data in :mod:`lightning_fleet.strategy_names`,
+which both read. Imported by ``lightning_fleet/__init__.py`` only.
 """
 
 from __future__ import annotations
@@ -22,24 +26,19 @@ import sys
 from types import ModuleType
 from typing import Any, Callable
 
-NAMESPACES = {"lightning.pytorch": "lightning_fleet", "pytorch_lightning": "lightning_fleet.pl"}
-"""Lightning namespace -> the lightning_fleet package whose FleetStrategy subclasses that namespace's classes."""
+from lightning_fleet.strategy_names import PRESETS
 
-PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
-    "fleet": ("lightning_fleet: profile, plan and train the best layout", {}),
-    "fleet_zero3": ("lightning_fleet restricted to ZeRO stage 3", {"zero_stages": (3,)}),
-    "fleet_offload": ("lightning_fleet with optimizer/parameter offload to host memory", {"require_offload": True}),
-}
-"""Registered name -> (description, FleetStrategy keyword arguments)."""
+NAMESPACES = {"lightning.pytorch": "lightning_fleet.strategy", "pytorch_lightning": "lightning_fleet.pl.strategy"}
+"""Lightning namespace -> the module whose FleetStrategy subclasses that namespace's classes."""
 
 _registered: set[str] = set()
 
 
-def strategy_factory(package: str) -> Callable[..., Any]:
-    """A callable that builds ``<package>.FleetStrategy(**kwargs)``, importing it only when called."""
+def strategy_factory(module: str) -> Callable[..., Any]:
+    """A callable that builds ``<module>.FleetStrategy(**kwargs)``, importing it only when called."""
 
     def make_fleet_strategy(**kwargs: Any) -> Any:
-        return importlib.import_module(package).FleetStrategy(**kwargs)
+        return importlib.import_module(module).FleetStrategy(**kwargs)
 
     return make_fleet_strategy
 

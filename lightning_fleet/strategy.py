@@ -1,13 +1,16 @@
-"""FleetStrategy: profile the LightningModule, read the cluster, plan, and train the plan with DeepSpeed.
+"""FleetStrategy: the Lightning adapter. It decides once (:mod:`lightning_fleet.decide`) and applies the Decision
+through a runtime backend (:class:`lightning_fleet.runtime.deepspeed.backend.DeepSpeedBackend`).
 
-It extends Lightning's DeepSpeedStrategy at its seams and holds no cost logic: the planning core
-chooses, :func:`lightning_fleet.runtime.deepspeed_config.deepspeed_config` translates, DeepSpeed runs.
-On CPU it lifts Lightning's CUDA-only restriction so DeepSpeed's CPU accelerator (gloo) is used.
+What lives here is only what Lightning's seams need: the options a user passes, the fit's setup order (read the data,
+measure the cluster, choose the checkpoint to continue, decide on rank 0 and broadcast once, apply), Lightning's
+CUDA-only DeepSpeed seams lifted on CPU, evaluation outside fit on whole-module replicas, and the training step's
+micro-batches. The plan comes from the planning core, the DeepSpeed calls from the backend, the checkpoint layout from
+:mod:`lightning_fleet.elastic.layout`, the data order from :mod:`lightning_fleet.data`. Imported by the package's
+``__init__`` and the presets' registration; nothing below it imports it (tests/test_layering.py).
 """
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
@@ -24,56 +27,33 @@ noise.install()  # before DeepSpeed is first imported: its accelerator banner co
 
 import torch  # noqa: E402
 from lightning.fabric.utilities.seed import reset_seed  # noqa: E402
-from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
-from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy  # noqa: E402
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn  # noqa: E402
 
-from lightning_fleet import calibrate
-from lightning_fleet.data import TrainingData, example_batch, inspect_training_loader, step_loader
-from lightning_fleet.elastic.callback import FleetCheckpoint
-from lightning_fleet.elastic.checkpoint import MANIFEST, committed, newest_verified, refuse_unsafe_pickles, set_aside, verify
-from lightning_fleet.elastic.compatibility import RESUME_POLICIES, incompatibility, job_facts
-from lightning_fleet.elastic.reshard import make_universal
-from lightning_fleet.elastic.sampler import MicroBatches
-from lightning_fleet.elastic.worker import (
+from lightning_fleet.calibrate.measure import WorldShape, across_ranks, cache_path, load_cached, measure_cluster, save_cache  # noqa: E402
+from lightning_fleet.data import TrainingData, example_batch, inspect_training_loader, step_loader  # noqa: E402
+from lightning_fleet.decide import Decision, JobOptions, ModuleFacts, ResumeKind, decide, job_global_batch_size, resume_of  # noqa: E402
+from lightning_fleet.elastic.callback import FleetCheckpoint  # noqa: E402
+from lightning_fleet.elastic.checkpoint import refuse_unsafe_pickles  # noqa: E402
+from lightning_fleet.elastic.compatibility import RESUME_POLICIES, JobFacts, checkpoint_to_continue, job_facts  # noqa: E402
+from lightning_fleet.elastic.layout import MANIFEST, rank_file  # noqa: E402
+from lightning_fleet.elastic.sampler import MicroBatches  # noqa: E402
+from lightning_fleet.elastic.worker import (  # noqa: E402
     announce_launch_advice,
     deterministic,
     deterministic_errors,
     install_error_hook,
     open_process_group,
 )
-from lightning_fleet.export import lightning_checkpoint, record_module, restore_module, write_layout
-from lightning_fleet.planning import (
-    ClusterSpec,
-    Estimate,
-    FleetError,
-    ModelSpec,
-    Offload,
-    PartialPlan,
-    Plan,
-    PlanResult,
-    Precision,
-    Recompute,
-    estimate,
-    load_cluster,
-    narrow,
-    parse_partial_plan,
-    parse_plan,
-)
-from lightning_fleet.planning import plan as search_plans
-from lightning_fleet.planning.cluster import GIB
-from lightning_fleet.planning.plan import field_text
-from lightning_fleet.profiling import Profile, find_layers, profile, tensor_parallel_hook
-from lightning_fleet.progress import FleetProgress
-from lightning_fleet.registration import PRESETS
-from lightning_fleet.rng import RngState
-from lightning_fleet.runtime.deepspeed_config import deepspeed_config, runtime_constraints
-from lightning_fleet.runtime.pipeline import (
-    build_pipeline,
-    local_optimizer,
-    micro_batch_iterator,
-    pipeline_hook,
-    sync_stage_weights,
-)
+from lightning_fleet.export import lightning_checkpoint  # noqa: E402
+from lightning_fleet.hooks import find_layers, module_hooks, tensor_parallel_hook  # noqa: E402
+from lightning_fleet.planning import ClusterSpec, Estimate, FleetError, ModelSpec, Plan, Precision, load_cluster  # noqa: E402
+from lightning_fleet.planning.cluster import GIB  # noqa: E402
+from lightning_fleet.profiling import Profile, profile  # noqa: E402
+from lightning_fleet.progress import FleetProgress  # noqa: E402
+from lightning_fleet.rng import RngState  # noqa: E402
+from lightning_fleet.runtime.deepspeed.backend import DeepSpeedBackend  # noqa: E402
+from lightning_fleet.strategy_names import PRESETS  # noqa: E402
 
 _PRECISIONS = {
     "32-true": Precision.FP32,
@@ -163,42 +143,60 @@ class FleetStrategy(DeepSpeedStrategy):
                 raise FleetError(f"FleetStrategy({name}={value!r}): must be a positive integer or None")
         if resume not in RESUME_POLICIES:
             raise FleetError(f"FleetStrategy(resume={resume!r}): must be one of {', '.join(map(repr, RESUME_POLICIES))}")
-        self.forced_plan = plan
-        self.global_batch_size = global_batch_size
+        self.options = JobOptions(
+            plan=plan,
+            micro_batch_size=micro_batch_size,
+            global_batch_size=global_batch_size,
+            allow_offload=allow_offload or require_offload,
+            require_offload=require_offload,
+            max_tp=max_tp,
+            max_pp=max_pp,
+            zero_stages=tuple(zero_stages),
+            top=top,
+        )
+        """What the planner was asked (see :class:`lightning_fleet.decide.JobOptions`)."""
         self.cluster_source = cluster
-        self.allow_offload = allow_offload or require_offload
-        self.require_offload = require_offload
-        self.max_tp, self.max_pp = max_tp, max_pp
-        self.zero_stages = tuple(zero_stages)
-        self.top = top
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self.checkpoint_every = (checkpoint_every_n_steps, checkpoint_every_n_seconds)
-        self.resumed_from: Path | None = None
-        """The checkpoint this fit resumed from (None for a fresh start)."""
-        self._resume_from: Path | None = None  # the FleetCheckpoint step this fit continues (given or found)
-        self._reshard: Path | None = None
-        self.plan: Plan | None = None
-        """The plan being trained (set at setup)."""
-        self.estimate: Estimate | None = None
-        """The cost model's prediction for :attr:`plan`."""
-        self.model_spec: ModelSpec | None = None
-        """The profiled module."""
-        self.cluster: ClusterSpec | None = None
-        """The cluster planned for (measured or given)."""
-        self.startup_s: dict[str, float] = {}
-        """Seconds spent profiling, reading/measuring the cluster and planning (incl. broadcast) at setup."""
-        self.micro_batch_size = micro_batch_size
-        self.resume = resume
-        self.progress = progress
-        self.hand_back = hand_back
+        self.resume, self.progress, self.hand_back = resume, progress, hand_back
+        self.backend = DeepSpeedBackend()
+        """The runtime that applies the decision."""
+        self.decision: Decision | None = None
+        """What this fit decided at setup (plan, estimate, cluster, resume); read-only afterwards."""
         self.profile: Profile | None = None
         """How the module was measured (method, fallbacks, what it means for the plan)."""
-        self._facts: dict[str, Any] | None = None
-        self._restorers: list[Any] = []
-        self._data: TrainingData | None = None  # the user's training data, as the strategy re-batches it
-        self._engine: Any = None  # the DeepSpeed engine of the last fit (kept for saving after evaluation)
-        self._module_record: Any = None  # what restore_module needs to hand the user's module back
-        self._training_precision: Any = None  # DeepSpeed's precision plugin while an evaluation uses a plain one
+        self.startup_s: dict[str, float] = {}
+        """Seconds spent profiling, reading/measuring the cluster and deciding (incl. broadcast) at setup."""
+        self.resumed_from: Path | None = None
+        """The checkpoint this fit resumed from (None for a fresh start)."""
+        self._fit = _FitState()
+
+    # --- what was decided ---------------------------------------------------------------------------
+
+    @property
+    def plan(self) -> Plan | None:
+        """The plan being trained (set at setup)."""
+        return self.decision.plan if self.decision is not None else None
+
+    @property
+    def estimate(self) -> Estimate | None:
+        """The cost model's prediction for :attr:`plan`."""
+        return self.decision.estimate if self.decision is not None else None
+
+    @property
+    def model_spec(self) -> ModelSpec | None:
+        """The profiled module."""
+        return self.decision.model if self.decision is not None else None
+
+    @property
+    def cluster(self) -> ClusterSpec | None:
+        """The cluster planned for (measured or given)."""
+        return self.decision.cluster if self.decision is not None else None
+
+    def checkpoint_facts(self) -> JobFacts:
+        """What a checkpoint of this fit records so that only a compatible job resumes it (see elastic/compatibility.py)."""
+        assert self._fit.facts is not None, "checkpoint_facts() is known from setup on"
+        return self._fit.facts
 
     # --- Lightning's CUDA-only seams, lifted on CPU ---------------------------------------------
 
@@ -245,46 +243,18 @@ class FleetStrategy(DeepSpeedStrategy):
         install_error_hook()
         announce_launch_advice(self.global_rank)
 
-    def _setup_model_and_optimizer(self, model, optimizer, lr_scheduler=None):  # type: ignore[no-untyped-def]
-        """deepspeed.initialize with the local rank as device rank (Lightning passes None on CPU)."""
-        import argparse
+    def _get_process_group_backend(self) -> str:
+        return self._process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
 
-        import deepspeed
-
-        self._module_record = record_module(model)  # before DeepSpeed changes it: what restore_module hands back
-        # ZeRO-3 replaces torch.nn.functional.linear for the whole process ("This will persist unless manually reset",
-        # deepspeed/runtime/zero/partition_parameters.py): put back at teardown
-        self._patch(torch.nn.functional, "linear", torch.nn.functional.linear)
-        if self.plan is not None and self.plan.pp > 1:
-            layers = find_layers(model)
-            model = build_pipeline(
-                model,
-                pp=self.plan.pp,
-                dp=self.plan.dp,
-                layer_type=type(layers[0]).__name__,
-                checkpoint_layers=self.plan.recompute is Recompute.FULL,
-            )
-            optimizer = local_optimizer(optimizer, model) if optimizer is not None else None
-        engine, ds_optimizer, _, _ = deepspeed.initialize(
-            args=argparse.Namespace(device_rank=self.local_rank if self.root_device.index is None else self.root_device.index),
-            config=self.config,
-            model=model,
-            model_parameters=filter(lambda p: p.requires_grad, model.parameters()),
-            optimizer=optimizer,
-            lr_scheduler=lr_scheduler,
-            dist_init_required=False,
-        )
-        check = getattr(engine, "first_dataloader_check", None)
-        if check is not None:
-            # DeepSpeed's one-shot TP input check compares nested batches with `!=` and crashes on
-            # Lightning's (batch, batch_idx) arguments; our sampler gives every tp rank the same
-            # dp slice (dp_rank = rank // tp), which the tests check instead.
-            check.remove()
-        self._engine = engine
-        return engine, ds_optimizer
+    def _format_batch_size_and_grad_accum_config(self) -> None:
+        """Micro-batch and accumulation come from the plan, not from the Trainer's flags."""
+        assert isinstance(self.config, dict)
+        if self.plan is None:  # Lightning may read the config before a fit planned it (e.g. tensor_init_context)
+            self.config.setdefault("train_micro_batch_size_per_gpu", 1)
+            self.config.setdefault("gradient_accumulation_steps", 1)
 
     def _init_optimizers(self) -> tuple[Any, Any]:
-        """DeepSpeed drives one optimizer (and one optional scheduler): refuse more before training, in one line."""
+        """The runtime drives one optimizer (and one optional scheduler): refuse more before training, in one line."""
         from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 
         optimizers, schedulers = _init_optimizers_and_lr_schedulers(self.lightning_module)
@@ -296,221 +266,146 @@ class FleetStrategy(DeepSpeedStrategy):
             )
         return optimizers[0], schedulers[0] if schedulers else None
 
-    def teardown(self) -> None:
-        """Undo what this strategy (and DeepSpeed: ZeRO-3's process-wide ``F.linear``) changed for training: gradient
-        zeroing, recomputation wrappers; the engine stays, for ``trainer.save_checkpoint`` after fit."""
-        self._undo_module_patches()
-        super().teardown()
-
-    def _patch(self, obj: Any, name: str, value: Any) -> None:
-        """Set ``obj.name = value`` for this fit, remembering how to undo it."""
-        had = name in vars(obj)
-        self._restorers.append((obj, name, had, vars(obj).get(name)))
-        setattr(obj, name, value)
-
-    def _undo_module_patches(self) -> None:
-        while self._restorers:
-            obj, name, had, old = self._restorers.pop()
-            if had:
-                setattr(obj, name, old)
-            else:
-                delattr(obj, name)
-
-    # --- profile -> plan -> apply ---------------------------------------------------------------
+    # --- setup: decide once, then apply ---------------------------------------------------------------
 
     def setup(self, trainer) -> None:  # type: ignore[no-untyped-def]
-        """Plan (rank 0 decides, every rank applies the same plan), then let DeepSpeed set up."""
-        if trainer.state.fn == TrainerFn.FITTING:
-            with deterministic_errors():  # every attempt of this job would raise them again: no restart loop
-                self._facts = job_facts(self.lightning_module, global_batch_size=self.global_batch_size, data_seed=_sampler_seed())
-                self._attach_checkpointing(trainer)
-                if not any(isinstance(c, FleetProgress) for c in trainer.callbacks):
-                    trainer.callbacks.append(FleetProgress(lines=self.progress))
-                self._choose_plan(trainer)
-                self._prepare_reshard()
-                self._use_training_precision()
-                super().setup(trainer)
-        else:
+        """fit: decide (rank 0 decides, every rank reads the same Decision), apply it, let DeepSpeed set up;
+        validate/test/predict: whole-module replicas."""
+        if trainer.state.fn != TrainerFn.FITTING:
             self._setup_evaluation(trainer)
-
-    # --- validate / test / predict outside fit: whole-model replicas, no engine -------------------
-
-    def _setup_evaluation(self, trainer) -> None:  # type: ignore[no-untyped-def]
-        """validate/test/predict outside fit: every rank holds the whole model (a fit's engine in this process is
-        released first, its trained weights gathered into the module) and evaluates its share of the data."""
-        self._release_engine()
-        assert self.accelerator is not None
-        self.accelerator.setup(trainer)
-        self._use_evaluation_precision()
-        self.model = self.precision_plugin.convert_module(self.lightning_module)  # bf16-true/16-true: the module's dtype
-        self.model_to_device()
-        self.barrier("fleet-evaluation-setup")
-
-    def _release_engine(self) -> None:
-        """Evaluate the module itself: after a fit in this process it is already a plain module holding the trained
-        weights (restored at the end of training); the engine is kept only for ``trainer.save_checkpoint``."""
-        if self._engine is not None and self._module_record is not None:
-            restore_module(self, self._module_record)  # a no-op when the end of training restored it already
-        self.model = self.lightning_module
-        self._undo_module_patches()
-
-    @property
-    def deepspeed_engine(self) -> Any:
-        """The engine of the last fit (it still saves checkpoints after the module was handed back for evaluation)."""
-        return self._engine if self._engine is not None else self.model
-
-    def _engine_in_use(self) -> bool:
-        return self._engine is not None and self.model is self._engine
-
-    def on_train_end(self) -> None:
-        """Hand the user's module back, as a plain module in its original structure holding the trained weights on every
-        rank (collective; runs after the callbacks' on_train_end, so after the final checkpoint, and only when training
-        ended normally). The engine still saves checkpoints afterwards (export.restore_module). Skipped, with one line,
-        when ``hand_back=False`` or when the whole model in fp32 on every local rank would not fit the host's memory."""
-        if self._engine is None or self._module_record is None or not self.hand_back:
             return
-        needed = self.num_processes * sum(4 * math.prod(t.shape) for t in self._module_record.tensors if t.alias_of is None)
-        available = calibrate.across_ranks(float(psutil.virtual_memory().available), self.root_device)  # the least free
-        if needed > 0.8 * available:
-            if self.is_global_zero:
-                print(
-                    f"lightning_fleet: the module is left as DeepSpeed trained it: handing its {needed / self.num_processes / GIB:.1f} GiB "
-                    f"of fp32 weights back to {self.num_processes} processes per node needs {needed / GIB:.1f} GiB of host memory, "
-                    f"{available / GIB:.1f} GiB is free; export the weights instead (fleet export, README 'Getting the weights out')",
-                    flush=True,
-                )
-            return
-        restore_module(self, self._module_record)
+        with deterministic_errors():  # every attempt of this job would raise them again: no restart loop
+            _check_trainer_flags(trainer)
+            fit = self._fit
+            fit.facts = job_facts(self.lightning_module, global_batch_size=self.options.global_batch_size, data_seed=_sampler_seed())
+            directory = self._attach_callbacks(trainer)
+            fit.data = inspect_training_loader(_user_training_loader(trainer))
+            self.decision = self._decide(trainer, directory)
+            self._apply(trainer)
+            self._use_training_precision()
+            super().setup(trainer)
 
-    def _use_evaluation_precision(self) -> None:
-        """Without an engine, mixed precision is autocast (DeepSpeed casts the module itself during fit)."""
-        from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision
-        from lightning.pytorch.plugins.precision import Precision as PlainPrecision
-
-        if self._training_precision is None:
-            self._training_precision = self.precision_plugin
-        name = str(self._training_precision.precision)
-        if name.endswith("-mixed"):
-            plugin: Any = MixedPrecision(name, self.root_device.type)  # type: ignore[arg-type]
-        elif name.endswith("-true") and not name.startswith("32"):
-            plugin = HalfPrecision(name)  # type: ignore[arg-type]
-        else:
-            plugin = PlainPrecision()
-        self.precision_plugin = plugin
-
-    def _use_training_precision(self) -> None:
-        if self._training_precision is not None:
-            self.precision_plugin = self._training_precision
-            self._training_precision = None
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, int]:
-        """Evaluation data is split by data-parallel replica: the ranks of one tensor- or pipeline-parallel group see the
-        same samples (their outputs are one model's), so logged metrics equal a single process's."""
-        if self.plan is None or not self._engine_in_use():
-            return {"num_replicas": self.world_size, "rank": self.global_rank}
-        return {"num_replicas": self.plan.dp, "rank": self.dp_rank}
-
-    @property
-    def dp_rank(self) -> int:
-        """This rank's data-parallel replica index under the plan (tp innermost, then dp, then pp)."""
-        assert self.plan is not None
-        return self.global_rank // self.plan.tp % self.plan.dp
-
-    def _attach_checkpointing(self, trainer) -> None:  # type: ignore[no-untyped-def]
-        """Add FleetCheckpoint for checkpoint_dir, and decide which checkpoint this fit continues: the ``ckpt_path`` it was
-        given (a FleetCheckpoint step decides the plan and global batch as an automatic resume does; nothing is set
-        aside for it), or, without one, the newest verified checkpoint of this job in the FleetCheckpoint's directory."""
+    def _attach_callbacks(self, trainer) -> Path | None:  # type: ignore[no-untyped-def]
+        """FleetProgress, and FleetCheckpoint for checkpoint_dir; the directory whose newest checkpoint a fit without
+        ``ckpt_path`` continues (None: no FleetCheckpoint). Lightning's resume is pointed at the decided checkpoint."""
+        if not any(isinstance(c, FleetProgress) for c in trainer.callbacks):
+            trainer.callbacks.append(FleetProgress(lines=self.progress))
         callbacks = [c for c in trainer.callbacks if isinstance(c, FleetCheckpoint)]
         if self.checkpoint_dir is not None and not callbacks:
             steps, seconds = self.checkpoint_every
             callbacks = [FleetCheckpoint(self.checkpoint_dir, every_n_steps=steps, every_n_seconds=seconds)]
             trainer.callbacks.append(callbacks[0])
-        requested = _requested_checkpoint(trainer)
-        if requested is not None:
-            path = Path(requested)
-            if (path / MANIFEST).is_file():
-                self._resume_from = self._on_rank_zero(lambda: self._usable(path))
-            return
         if not callbacks:
-            return
-        self._resume_from = self._newest_checkpoint(callbacks[0].dirpath)
+            return None
         connector = trainer._checkpoint_connector
         resume_start = connector.resume_start
 
-        def resume_from_newest(checkpoint_path=None, weights_only=None):  # type: ignore[no-untyped-def]
+        def resume_from_decided(checkpoint_path=None, weights_only=None):  # type: ignore[no-untyped-def]
             # Lightning calls this right after setup with the user's ckpt_path (None when not given)
             connector.resume_start = resume_start
-            return resume_start(checkpoint_path if checkpoint_path is not None else self._resume_from, weights_only)
+            decided = self.decision.resume.path if self.decision is not None else None
+            return resume_start(checkpoint_path if checkpoint_path is not None else decided, weights_only)
 
-        connector.resume_start = resume_from_newest
+        connector.resume_start = resume_from_decided
+        return callbacks[0].dirpath
 
-    def _usable(self, path: Path) -> Path:
-        """The FleetCheckpoint step a fit was given, if its manifest verifies and it belongs to this job (rank 0)."""
-        assert self._facts is not None
-        verdict = verify(path)
-        if not verdict.ok:
-            raise FleetError(f"checkpoint {path} cannot be used: {verdict.reason}")
-        why = incompatibility(verdict.manifest or {}, self._facts)
-        if why:
-            raise FleetError(f"checkpoint {path} cannot be resumed by this job: {why}")
-        return path
+    def _decide(self, trainer, directory: Path | None) -> Decision:  # type: ignore[no-untyped-def]
+        """The fit's one Decision: rank 0 chooses the checkpoint to continue (verified and screened once), every rank
+        profiles the module at the resulting global batch, rank 0 decides; each step is broadcast once."""
+        fit, started = self._fit, time.perf_counter()
+        cluster = self._resolve_cluster()
+        measured = time.perf_counter()
+        requested = _requested_checkpoint(trainer)
+        chosen = self._on_rank_zero(
+            lambda: checkpoint_to_continue(Path(requested) if requested is not None else None, directory, fit.facts, self.resume)
+        )
+        path, manifest = (str(chosen.path), chosen.manifest) if chosen is not None else (None, None)
+        assert fit.data is not None
+        gbs = job_global_batch_size(self.options, loader_batch_size=fit.data.batch_size, world_size=self.world_size, manifest=manifest)
+        module = self.lightning_module
+        self.profile = profile(module, example_batch(fit.data, fit.data.batch_size), global_batch_size=gbs, precision=_precision_of(trainer),
+                               name=type(module).__name__)
+        profiled = time.perf_counter()
+        facts = ModuleFacts(
+            spec=self.profile.spec,
+            hooks=module_hooks(module),
+            loader_batch_size=fit.data.batch_size,
+            batch_dependent=self.profile.batch_dependent,
+            profile_lines=tuple(self.profile.report_lines()),
+        )
 
-    def _newest_checkpoint(self, directory: Path) -> Path | None:
-        """Rank 0 picks the checkpoint to resume (newest verified, compatible with this job, as ``resume`` says);
-        every rank gets its path, or the one-line refusal."""
-        return self._on_rank_zero(lambda: self._resumable(directory))
+        def decide_here() -> Decision:
+            resume = resume_of(path, manifest, self.world_size)
+            decision = decide(facts, cluster, world_size=self.world_size, options=self.options, capabilities=self.backend.capabilities, resume=resume)
+            print("\n".join(decision.report), flush=True)  # logged once, by the rank that decided
+            return decision
 
-    def checkpoint_facts(self) -> dict[str, Any]:
-        """What a checkpoint of this fit records so that only a compatible job resumes it (see elastic/compatibility.py)."""
-        assert self._facts is not None, "checkpoint_facts() is known from setup on"
-        return self._facts
+        decision = self._on_rank_zero(decide_here)
+        self.startup_s = {"cluster_s": measured - started, "profile_s": profiled - measured, "plan_s": time.perf_counter() - profiled}
+        return decision
 
-    def _resumable(self, directory: Path) -> Path | None:
-        """The newest verified checkpoint this job may resume (rank 0), setting aside what ``resume`` says to."""
-        assert self._facts is not None
-        if self.resume == "never":
-            for old in committed(directory):
-                print(f"lightning_fleet: resume='never': moved {old} to {set_aside(directory, old)}", flush=True)
-            return None
-        while (verdict := newest_verified(directory)) is not None:
-            why = incompatibility(verdict.manifest or {}, self._facts)
-            if not why:
-                return verdict.path
-            if self.resume == "auto":
+    def _resolve_cluster(self) -> ClusterSpec:
+        """The cluster to plan for: the one given (its size checked against the job), else this machine's measurement
+        (rank 0's numbers, cached per host and world shape)."""
+        shape = WorldShape(world_size=self.world_size, num_nodes=self.num_nodes, local_world_size=self.num_processes)
+        if self.cluster_source is not None:
+            cluster = self.cluster_source if isinstance(self.cluster_source, ClusterSpec) else load_cluster(self.cluster_source)
+            if cluster.world_size != self.world_size:
                 raise FleetError(
-                    f"checkpoint {verdict.path} cannot be resumed by this job: {why}; use another checkpoint_dir, or "
-                    "FleetStrategy(resume='if_compatible') to set incompatible checkpoints aside and start fresh"
+                    f"cluster {cluster.name!r} has {cluster.world_size} devices ({cluster.num_nodes} nodes x "
+                    f"{cluster.devices_per_node}) but this job runs {self.world_size} processes ({self.num_nodes} nodes x "
+                    f"{self.num_processes}): fix the cluster file or drop cluster= to measure this machine"
                 )
-            print(f"lightning_fleet: {verdict.path} is not this job's ({why}); moved to {set_aside(directory, verdict.path)}", flush=True)
-        return None
+            return cluster
+        path = cache_path(self.root_device, shape)
+        cached = self.broadcast(load_cached(path) if self.is_global_zero else None)
+        if cached is not None:
+            return cached
+        measured = self.broadcast(measure_cluster(self.root_device, shape))  # every rank plans with rank 0's numbers
+        if self.is_global_zero:
+            save_cache(measured, path)
+        return measured
 
-    def _resume_manifest(self) -> dict | None:
-        return json.loads((self._resume_from / MANIFEST).read_text()) if self._resume_from is not None else None
+    def _apply(self, trainer) -> None:  # type: ignore[no-untyped-def]
+        """Apply the decision: the runtime's config, a resharded checkpoint's conversion (rank 0, once), and the
+        module changes the runtime needs for this fit (undone at teardown)."""
+        decision = self.decision
+        assert decision is not None
+        resume = decision.resume
+        if resume.kind is ResumeKind.RESHARD:
+            assert resume.path is not None and resume.manifest is not None
+            step, manifest = Path(resume.path), resume.manifest
+            self._fit.universal = self._on_rank_zero(lambda: self.backend.reshard(step, manifest))
+        module = self.lightning_module
+        tp = tensor_parallel_hook(module)
+        self.config = self.backend.config(
+            decision.plan,
+            gradient_clipping=float(trainer.gradient_clip_val or 0.0),
+            device_type=self.root_device.type,
+            tensor_parallel=tp[1] if tp else None,
+            universal=resume.kind is ResumeKind.RESHARD,
+        )
+        for obj, name, value in self.backend.module_patches(module, decision.plan, find_layers(module)):
+            self._patch(obj, name, value)
 
-    def _prepare_reshard(self) -> None:
-        """When the newest checkpoint was written at another world size: verify it, screen its pickles, and
-        convert it to the universal form every ZeRO stage 1-3 loads (once)."""
-        manifest = self._resume_manifest()
-        if manifest is None or manifest["world_size"] == self.world_size:
-            return
-        source, path = parse_plan(manifest["plan"]), self._resume_from
-        assert path is not None
-        if source.tp > 1 or source.pp > 1:
-            raise FleetError(
-                f"checkpoint {path} was written by {source} on {manifest['world_size']} processes; resharding to "
-                f"{self.world_size} processes needs a data-parallel checkpoint (tp=1, pp=1): relaunch with "
-                f"{manifest['world_size']} processes"
-            )
-
-        def convert() -> Path:
-            _check_checkpoint(path)  # nothing is unpickled before the manifest verifies and the pickles are screened
-            return make_universal(path, source.zero)
-
-        converted = self._on_rank_zero(convert)
-        assert isinstance(self.config, dict)
-        self.config["checkpoint"] = {"load_universal": True}
-        self._reshard = converted
+    def _setup_model_and_optimizer(self, model, optimizer, lr_scheduler=None):  # type: ignore[no-untyped-def]
+        """The runtime's engine over the module (recorded first: what the end of fit hands back)."""
+        assert self.plan is not None
+        self._fit.module_record = self.backend.record(model)  # before the runtime changes it
+        for obj, name in self.backend.process_globals():
+            self._patch(obj, name, getattr(obj, name))
+        layers = find_layers(model) if self.plan.pp > 1 else None
+        engine, optimizer = self.backend.build(
+            model,
+            optimizer,
+            lr_scheduler,
+            plan=self.plan,
+            config=self.config,
+            device_rank=self.local_rank if self.root_device.index is None else self.root_device.index,
+            layer_type=type(layers[0]).__name__ if layers else None,
+        )
+        self._fit.engine = engine
+        return engine, optimizer
 
     def _on_rank_zero(self, fn):  # type: ignore[no-untyped-def]
         """Run ``fn`` on rank 0 and give every rank its result, or raise its FleetError on every rank. Any other
@@ -531,243 +426,125 @@ class FleetStrategy(DeepSpeedStrategy):
             raise result
         return result
 
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Load a FleetCheckpoint directory (verified, pickles screened, RNG restored) or a plain DeepSpeed one; for
-        validate/test/predict, any checkpoint of any plan as full weights (export.lightning_checkpoint) or a single file."""
-        path = Path(checkpoint_path)
-        if self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
-            if path.is_dir():
-                return lightning_checkpoint(path)
-            return self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
-        if not (path / MANIFEST).is_file():  # a trainer.save_checkpoint dir: no manifest, but its pickles are screened too
-            self._on_rank_zero(lambda: refuse_unsafe_pickles(path))
-            return super().load_checkpoint(checkpoint_path, weights_only)
-        resharding = self._reshard is not None and path == self._resume_from
-        if not resharding:  # a resharded checkpoint was verified and screened before its conversion
-            self._on_rank_zero(lambda: _check_checkpoint(path))
-        manifest = json.loads((path / MANIFEST).read_text())
-        if resharding:
-            state = super().load_checkpoint(self._reshard, weights_only)  # universal: any dp, any ZeRO stage >= 1
-            how = f"resharded from {manifest['world_size']} to {self.world_size} processes, {manifest['plan']} -> {self.plan}"
-        elif manifest["world_size"] != self.world_size or manifest["plan"] != str(self.plan):
-            raise FleetError(
-                f"checkpoint {path} was written by plan {manifest['plan']} on {manifest['world_size']} processes; this job runs "
-                f"{self.plan} on {self.world_size}: relaunch with its world and plan"
-            )
-        else:
-            state = super().load_checkpoint(path / "state", weights_only)
-            rank_file = path / f"rank-{self.global_rank:05d}.pt"
-            if rank_file.is_file():
-                RngState.from_checkpoint(torch.load(rank_file, weights_only=True)).install()
-            how = "same plan and world"
-        self.resumed_from = path
-        if self.is_global_zero:
-            print(f"lightning_fleet: resumed from {path} (step {manifest['step']}; {how})", flush=True)
-        return state
+    # --- module changes for a fit, undone at teardown ----------------------------------------------
 
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        """Evaluation loads the full weights into the module; a fit's engine loaded its shards in load_checkpoint."""
-        if self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
-            self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=strict)
-            return
-        super().load_model_state_dict(checkpoint, strict)
+    def _patch(self, obj: Any, name: str, value: Any) -> None:
+        """Set ``obj.name = value`` for this fit, remembering how to undo it."""
+        had = name in vars(obj)
+        self._fit.restorers.append((obj, name, had, vars(obj).get(name)))
+        setattr(obj, name, value)
 
-    def _format_batch_size_and_grad_accum_config(self) -> None:
-        """Micro-batch and accumulation come from the plan, not from the Trainer's flags."""
-        assert isinstance(self.config, dict)
-        if self.plan is None:  # Lightning may read the config before a fit planned it (e.g. tensor_init_context)
-            self.config.setdefault("train_micro_batch_size_per_gpu", 1)
-            self.config.setdefault("gradient_accumulation_steps", 1)
-
-    def _choose_plan(self, trainer) -> None:  # type: ignore[no-untyped-def]
-        if trainer.accumulate_grad_batches != 1:
-            raise FleetError(
-                f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) with strategy 'fleet': the plan chooses "
-                "gradient accumulation to keep the global batch; pass FleetStrategy(global_batch_size=...) instead"
-            )
-        if trainer.reload_dataloaders_every_n_epochs:
-            raise FleetError(
-                f"Trainer(reload_dataloaders_every_n_epochs={trainer.reload_dataloaders_every_n_epochs}) with strategy 'fleet': "
-                "the strategy reads the training data once at setup and keys its order by the global step; vary the data "
-                "inside your Dataset (e.g. by its set_epoch) instead"
-            )
-        module = self.lightning_module
-        self._data = inspect_training_loader(_user_training_loader(trainer))
-        example = example_batch(self._data, self._data.batch_size)
-        gbs = self.global_batch_size or self._data.batch_size * self.world_size
-        manifest = self._resume_manifest()
-        if manifest is not None:  # the optimisation continues: same global batch whatever the new world (an explicit
-            gbs = manifest["global_batch_size"]  # other one made the checkpoint incompatible: elastic/compatibility.py)
-        precision = _precision_of(trainer)
-        started = time.perf_counter()
-        self.profile = profile(module, example, global_batch_size=gbs, precision=precision, name=type(module).__name__)
-        self.model_spec = self.profile.spec
-        profiled = time.perf_counter()
-        self.cluster = self._resolve_cluster()
-        measured = time.perf_counter()
-        self.plan = parse_plan(self._on_rank_zero(self._plan_on_rank_zero))  # an error is raised on every rank
-        self.startup_s = {"profile_s": profiled - started, "cluster_s": measured - profiled, "plan_s": time.perf_counter() - measured}
-        self.estimate = estimate(self.model_spec, self.cluster, self.plan)
-        tp = tensor_parallel_hook(module)
-        self.config = deepspeed_config(
-            self.plan,
-            gradient_clipping=float(trainer.gradient_clip_val or 0.0),
-            overlap_comm=self.root_device.type == "cuda",
-            tensor_parallel=tp[1] if tp else None,
-        )
-        if self.plan.recompute is Recompute.FULL and self.plan.pp == 1:  # (the pipeline checkpoints its own layers)
-            for layer in find_layers(module):
-                self._patch(layer, "forward", _checkpointed(layer.forward))
-        if module.automatic_optimization:
-            # DeepSpeed zeroes gradients after every real optimizer step. Lightning's zero_grad runs after
-            # training_step, i.e. after this step's first gas-1 micro-batches: it must not wipe them.
-            self._patch(module, "optimizer_zero_grad", _engine_zeroes_gradients)
-
-    def _resolve_cluster(self) -> ClusterSpec:
-        shape = calibrate.WorldShape(world_size=self.world_size, num_nodes=self.num_nodes, local_world_size=self.num_processes)
-        if self.cluster_source is not None:
-            cluster = self.cluster_source if isinstance(self.cluster_source, ClusterSpec) else load_cluster(self.cluster_source)
-            if cluster.world_size != self.world_size:
-                raise FleetError(
-                    f"cluster {cluster.name!r} has {cluster.world_size} devices ({cluster.num_nodes} nodes x "
-                    f"{cluster.devices_per_node}) but this job runs {self.world_size} processes ({self.num_nodes} nodes x "
-                    f"{self.num_processes}): fix the cluster file or drop cluster= to measure this machine"
-                )
-            return cluster
-        path = calibrate.cache_path(self.root_device, shape)
-        cached = calibrate.load_cached(path) if self.is_global_zero else None
-        cached = self.broadcast(cached)
-        if cached is not None:
-            return cached
-        measured = calibrate.measure_cluster(self.root_device, shape)
-        measured = self.broadcast(measured)  # every rank plans with rank 0's numbers
-        if self.is_global_zero:
-            calibrate.save_cache(measured, path)
-        return measured
-
-    def _constraints(self):  # type: ignore[no-untyped-def]
-        module = self.lightning_module
-        manifest = self._resume_manifest()
-        if manifest is not None and manifest["world_size"] != self.world_size:
-            # resharding goes through a universal checkpoint: data parallel with ZeRO 1-3 partitions
-            stages = tuple(z for z in self.zero_stages if z >= 1)
-            if not stages:
-                raise FleetError(
-                    f"checkpoint {self._resume_from} must be resharded to {self.world_size} processes, which needs ZeRO stage "
-                    f"1, 2 or 3, but FleetStrategy(zero_stages={self.zero_stages}): allow one of them"
-                )
-            return runtime_constraints(
-                has_tensor_parallel=False,
-                has_pipeline=False,
-                has_layers=find_layers(module) is not None,
-                allow_offload=self.allow_offload,
-                require_offload=self.require_offload,
-                zero_stages=stages,
-            )
-        return runtime_constraints(
-            has_tensor_parallel=tensor_parallel_hook(module) is not None,
-            # a pipeline runs forward, backward and step itself: not with the user's own optimization loop
-            has_pipeline=pipeline_hook(module) is not None and find_layers(module) is not None and module.automatic_optimization,
-            has_layers=find_layers(module) is not None,
-            allow_offload=self.allow_offload,
-            require_offload=self.require_offload,
-            max_tp=self.max_tp,
-            max_pp=self.max_pp,
-            zero_stages=self.zero_stages,
-        )
-
-    def _plan_on_rank_zero(self) -> str:
-        """The plan string (rank 0 only: it prints the table)."""
-        assert self.model_spec is not None and self.cluster is not None
-        spec, cluster, manifest = self.model_spec, self.cluster, self._resume_manifest()
-        partial, notes = self._fixed_axes()
-        if manifest is not None and manifest["world_size"] == self.world_size:  # same world: continue exactly
-            resumed = parse_plan(manifest["plan"], global_batch_size=spec.global_batch_size)
-            clash = {k: v for k, v in partial.fixed.items() if getattr(resumed, k) != v}
-            if clash:
-                raise FleetError(
-                    f"checkpoint {self._resume_from} was trained with plan {resumed}, but this job fixes "
-                    f"{', '.join(f'{k}={field_text(v)}' for k, v in clash.items())}: drop those from plan=/micro_batch_size= to "
-                    "continue it, or start in another checkpoint_dir"
-                )
-            self._check_resumable_plan(resumed)
-            _print_table(estimate(spec, cluster, resumed), None, cluster, [*notes, f"resumed  {self._resume_from}: its plan continues"])
-            return str(resumed)
-        constraints = self._constraints()
-        _check_runtime_supports(partial, constraints, self.lightning_module)
-        constraints = narrow(constraints, partial)
-        if partial.complete:  # everything fixed: train it as given (priced, not searched)
-            forced = partial.to_plan(spec.global_batch_size)
-            _print_table(estimate(spec, cluster, forced), None, cluster, notes + _pipeline_note(forced))
-            return str(forced)
-        result = search_plans(spec, cluster, top=self.top, constraints=constraints)
-        _print_table(result.best, result, cluster, notes + _pipeline_note(result.best.plan))
-        return str(result.best.plan)
-
-    def _check_resumable_plan(self, resumed: Plan) -> None:
-        """The checkpoint's plan must be one this job may run (its zero_stages, offload settings, limits and hooks)."""
-        whole = parse_partial_plan(str(resumed))
-        try:
-            constraints = self._constraints()
-            _check_runtime_supports(whole, constraints, self.lightning_module)
-            narrow(constraints, whole)
-        except FleetError as err:
-            raise FleetError(
-                f"checkpoint {self._resume_from} was trained with plan {resumed}, which this job may not run ({err}): allow it "
-                "(FleetStrategy's zero_stages, offload, max_tp/max_pp, the module's hooks) or start in another checkpoint_dir"
-            ) from None
-
-    def _fixed_axes(self) -> tuple[PartialPlan, list[str]]:
-        """What the planner may not choose (the user's plan and micro_batch_size, what the loss and the optimization
-        loop need) and the report lines that say why."""
-        partial = parse_partial_plan(self.forced_plan or "")
-        notes = self._profile_lines()
-        if partial.fixed:
-            rest = "" if partial.complete else "; the planner chose the rest"
-            notes.append(f"fixed    {partial} (FleetStrategy(plan=...)){rest}")
-        module, profiled = self.lightning_module, self.profile
-        if self.micro_batch_size is not None:
-            partial = partial.fix(mbs=self.micro_batch_size)
-            notes.append(f"fixed    mbs={self.micro_batch_size} (FleetStrategy(micro_batch_size=...))")
-        elif profiled is not None and profiled.batch_dependent and partial.mbs is None and self._data is not None:
-            mbs, gbs = self._data.batch_size, self.model_spec.global_batch_size
-            if gbs % mbs == 0:
-                partial = partial.fix(mbs=mbs)
-                notes.append(
-                    f"fixed    mbs={mbs}: the loss depends on the micro-batch (BatchNorm, in-batch negatives or a summed loss), "
-                    "so the DataLoader's batch size stays the micro-batch; pass micro_batch_size=N to choose another"
-                )
+    def _undo_module_patches(self) -> None:
+        while self._fit.restorers:
+            obj, name, had, old = self._fit.restorers.pop()
+            if had:
+                setattr(obj, name, old)
             else:
-                notes.append(
-                    f"note     the loss depends on the micro-batch, but the DataLoader's batch size {mbs} does not divide the "
-                    f"global batch {gbs}: the planner chooses it; pass micro_batch_size=N to pin one"
+                delattr(obj, name)
+
+    def teardown(self) -> None:
+        """Undo what this strategy (and the runtime: ZeRO-3's process-wide ``F.linear``) changed for training: gradient
+        zeroing, recomputation wrappers; the engine stays, for ``trainer.save_checkpoint`` after fit."""
+        self._undo_module_patches()
+        super().teardown()
+
+    # --- validate / test / predict outside fit: whole-model replicas, no engine -------------------
+
+    def _setup_evaluation(self, trainer) -> None:  # type: ignore[no-untyped-def]
+        """validate/test/predict outside fit: every rank holds the whole model (a fit's engine in this process is
+        released first, its trained weights gathered into the module) and evaluates its share of the data."""
+        self._release_engine()
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        self._use_evaluation_precision()
+        self.model = self.precision_plugin.convert_module(self.lightning_module)  # bf16-true/16-true: the module's dtype
+        self.model_to_device()
+        self.barrier("fleet-evaluation-setup")
+
+    def _release_engine(self) -> None:
+        """Evaluate the module itself: after a fit in this process it is already a plain module holding the trained
+        weights (restored at the end of training); the engine is kept only for ``trainer.save_checkpoint``."""
+        if self._fit.engine is not None and self._fit.module_record is not None:
+            self.backend.hand_back(self, self._fit.module_record)  # a no-op when the end of training restored it already
+        self.model = self.lightning_module
+        self._undo_module_patches()
+
+    @property
+    def deepspeed_engine(self) -> Any:
+        """The engine of the last fit (it still saves checkpoints after the module was handed back for evaluation)."""
+        return self._fit.engine if self._fit.engine is not None else self.model
+
+    def _engine_in_use(self) -> bool:
+        return self._fit.engine is not None and self.model is self._fit.engine
+
+    def on_train_end(self) -> None:
+        """Hand the user's module back, as a plain module in its original structure holding the trained weights on every
+        rank (collective; runs after the callbacks' on_train_end, so after the final checkpoint, and only when training
+        ended normally). The engine still saves checkpoints afterwards (runtime/deepspeed/weights.py). Skipped, with one
+        line, when ``hand_back=False`` or when the whole model in fp32 on every local rank would not fit the host's memory."""
+        record = self._fit.module_record
+        if self._fit.engine is None or record is None or not self.hand_back:
+            return
+        needed = self.num_processes * sum(4 * math.prod(t.shape) for t in record.tensors if t.alias_of is None)
+        available = across_ranks(float(psutil.virtual_memory().available), self.root_device)  # the least free
+        if needed > 0.8 * available:
+            if self.is_global_zero:
+                print(
+                    f"lightning_fleet: the module is left as DeepSpeed trained it: handing its {needed / self.num_processes / GIB:.1f} GiB "
+                    f"of fp32 weights back to {self.num_processes} processes per node needs {needed / GIB:.1f} GiB of host memory, "
+                    f"{available / GIB:.1f} GiB is free; export the weights instead (fleet export, README 'Getting the weights out')",
+                    flush=True,
                 )
-        elif profiled is not None and profiled.batch_dependent is None and partial.mbs is None:
-            notes.append("note     whether the loss depends on the micro-batch is unknown; pass micro_batch_size=N to pin it")
-        if not module.automatic_optimization:
-            if partial.gas not in (None, 1):
-                raise FleetError(f"plan {partial}: {type(module).__name__} steps its own optimizer once per training_step, so gas must be 1")
-            partial = partial.fix(gas=1)
-            notes.append("fixed    gas=1, no pipeline: manual optimization steps once per training_step")
-        return partial, notes
+            return
+        self.backend.hand_back(self, record)
 
-    def _profile_lines(self) -> list[str]:
-        return self.profile.report_lines() if self.profile is not None else []
+    def _use_evaluation_precision(self) -> None:
+        """Without an engine, mixed precision is autocast (DeepSpeed casts the module itself during fit)."""
+        from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision
+        from lightning.pytorch.plugins.precision import Precision as PlainPrecision
 
-    def _get_process_group_backend(self) -> str:
-        return self._process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
+        if self._fit.training_precision is None:
+            self._fit.training_precision = self.precision_plugin
+        name = str(self._fit.training_precision.precision)
+        if name.endswith("-mixed"):
+            plugin: Any = MixedPrecision(name, self.root_device.type)  # type: ignore[arg-type]
+        elif name.endswith("-true") and not name.startswith("32"):
+            plugin = HalfPrecision(name)  # type: ignore[arg-type]
+        else:
+            plugin = PlainPrecision()
+        self.precision_plugin = plugin
+
+    def _use_training_precision(self) -> None:
+        if self._fit.training_precision is not None:
+            self.precision_plugin = self._fit.training_precision
+            self._fit.training_precision = None
 
     # --- the training data: global-batch order, micro-batches per step --------------------------
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        """Evaluation data is split by data-parallel replica: the ranks of one tensor- or pipeline-parallel group see the
+        same samples (their outputs are one model's), so logged metrics equal a single process's."""
+        if self.plan is None or not self._engine_in_use():
+            return {"num_replicas": self.world_size, "rank": self.global_rank}
+        return {"num_replicas": self.plan.dp, "rank": self.dp_rank}
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel replica index under the plan (its placement: Plan.coordinates)."""
+        assert self.plan is not None
+        return self.plan.coordinates(self.global_rank).dp
 
     def process_dataloader(self, dataloader: object) -> object:
         """Re-batch the training data into this rank's step batches of ``gas`` micro-batches of ``mbs`` (see data.py)."""
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if self.plan is None or self._data is None or trainer is None or trainer.state.stage != RunningStage.TRAINING:
+        data = self._fit.data
+        if self.plan is None or data is None or trainer is None or trainer.state.stage != RunningStage.TRAINING:
             return dataloader
         plan = self.plan
         with deterministic_errors():  # e.g. fewer samples than one global batch: every attempt would say so again
             return step_loader(
-                self._data,
+                data,
                 global_batch_size=plan.global_batch_size,
                 dp_size=plan.dp,
                 dp_rank=self.dp_rank,
@@ -776,21 +553,21 @@ class FleetStrategy(DeepSpeedStrategy):
                 first_step=lambda: trainer.global_step,
             )
 
+    # --- the step ------------------------------------------------------------------------------------
+
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the step's micro-batches: all but the last through DeepSpeed here, the last through Lightning's loop."""
+        """Run the step's micro-batches: all but the last through the runtime here, the last through Lightning's loop."""
         batch, *rest = args
         if not isinstance(batch, MicroBatches):
             return super().training_step(*args, **kwargs)
-        if self.plan is not None and self.plan.pp > 1:
+        if self._pipelined():
             return self._pipeline_step(batch)
         if not self.lightning_module.automatic_optimization:  # the plan has one micro-batch; the user steps
             return super().training_step(batch[0], *rest, **kwargs)
-        engine = self.deepspeed_engine
         losses = []
         for micro in batch[:-1]:
             loss = _loss_of(super().training_step(micro, *rest, **kwargs))
-            engine.backward(loss)
-            engine.step()  # DeepSpeed counts the micro-step; it updates only at the accumulation boundary
+            self.backend.accumulate(self.deepspeed_engine, loss)
             losses.append(loss.detach())
         output = super().training_step(batch[-1], *rest, **kwargs)
         last = _loss_of(output)
@@ -800,9 +577,9 @@ class FleetStrategy(DeepSpeedStrategy):
         return {**output, "loss": shown} if isinstance(output, Mapping) else shown
 
     def _pipeline_step(self, batch: MicroBatches) -> torch.Tensor:
-        """One optimizer step through DeepSpeed's pipeline schedule (forward, backward and step of every micro-batch);
-        Lightning's automatic loop only counts it, steps the schedulers and logs."""
-        loss = self.deepspeed_engine.train_batch(micro_batch_iterator(batch))
+        """One optimizer step through the pipeline schedule; Lightning's automatic loop only counts it, steps the
+        schedulers and logs."""
+        loss = self.backend.pipeline_step(self.deepspeed_engine, batch)
         self.lightning_module.log("train_loss", loss, prog_bar=True)
         return loss
 
@@ -810,13 +587,13 @@ class FleetStrategy(DeepSpeedStrategy):
         return self._engine_in_use() and self.plan is not None and self.plan.pp > 1
 
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """Under a pipeline the engine ran backward inside train_batch already."""
+        """Under a pipeline the engine ran backward inside its schedule already."""
         if self._pipelined():
             return closure_loss
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        """Under a pipeline the closure runs the step's train_batch, which also stepped the engine."""
+        """Under a pipeline the closure runs the step's schedule, which also stepped the engine."""
         if self._pipelined():
             return closure()
         return super().optimizer_step(optimizer, closure, model, **kwargs)
@@ -825,7 +602,7 @@ class FleetStrategy(DeepSpeedStrategy):
         """Under a pipeline each rank's engine trains only its stage: bring every stage's current weights into the module
         so that the user's own validation_step runs on the whole model."""
         if self._pipelined():
-            sync_stage_weights(self._engine, self.lightning_module)
+            self.backend.gather_stages(self._fit.engine, self.lightning_module)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         """The user's validation_step; under a pipeline on the module itself (its stages synchronised at validation start)."""
@@ -834,14 +611,58 @@ class FleetStrategy(DeepSpeedStrategy):
         with self.precision_plugin.val_step_context():
             return self.lightning_module.validation_step(*args, **kwargs)
 
+    # --- checkpoints ------------------------------------------------------------------------------------
+
     def save_checkpoint(self, checkpoint: dict, filepath: Any, storage_options: Any = None) -> None:
-        """DeepSpeed's sharded checkpoint, with the plan and global batch recorded for resume, and the layout
-        (``fleet_layout.json``, rank 0) that lets :func:`lightning_fleet.export.export_state_dict` rebuild the full weights."""
-        if self.plan is not None:
-            checkpoint["fleet"] = {"plan": str(self.plan), "global_batch_size": self.plan.global_batch_size, "world_size": self.world_size}
-        super().save_checkpoint(checkpoint, filepath, storage_options)
-        write_layout(self, filepath, self._module_record)  # every rank (collective for ZeRO-0 fp16/bf16 masters); rank 0 writes
-        self.barrier("fleet-layout-written")  # the checkpoint is whole on every rank when save_checkpoint returns
+        """The runtime's sharded checkpoint in ``filepath`` (every rank), and the layout file that lets
+        :func:`lightning_fleet.export.export_state_dict` rebuild the full weights; whole on every rank on return."""
+        if storage_options is not None:
+            raise TypeError(f"Trainer.save_checkpoint(storage_options=...) is not supported by {type(self).__name__}: its checkpoints are directories")
+        filepath = self.broadcast(filepath)  # every rank saves into rank 0's path
+        self.backend.save(self.deepspeed_engine, filepath, checkpoint)
+        self.backend.write_layout(self, filepath, self._fit.module_record)  # every rank (collective for ZeRO-0 fp16/bf16 masters); rank 0 writes
+        self.barrier("fleet-layout-written")
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """fit: the decided FleetCheckpoint step (verified and screened once at setup; resharded or as written, with each
+        rank's RNG), or a ``trainer.save_checkpoint`` dir (its pickles screened); validate/test/predict: any checkpoint
+        of any plan as full weights, or a single file."""
+        path = Path(checkpoint_path)
+        if self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
+            if path.is_dir():
+                return lightning_checkpoint(path)
+            return self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
+        strict = self.lightning_module.strict_loading
+        resume = self.decision.resume if self.decision is not None else None
+        if resume is None or resume.path is None or Path(resume.path) != path:
+            if (path / MANIFEST).is_file():  # only the step decided at setup is continued
+                raise FleetError(f"checkpoint {path} was not the one this fit decided to continue at setup; pass it as ckpt_path")
+            self._on_rank_zero(lambda: refuse_unsafe_pickles(path))
+            _check_is_directory(path)
+            return self.backend.load(self.deepspeed_engine, path, optimizer_states=True, strict=strict)
+        manifest = resume.manifest
+        assert manifest is not None
+        if resume.kind is ResumeKind.RESHARD:
+            assert self._fit.universal is not None
+            state = self.backend.load(self.deepspeed_engine, self._fit.universal, optimizer_states=True, strict=strict)
+            how = f"resharded from {manifest.world_size} to {self.world_size} processes, {manifest.plan} -> {self.plan}"
+        else:
+            state = self.backend.load(self.deepspeed_engine, self.backend.state_of(path), optimizer_states=True, strict=strict)
+            rng = rank_file(path, self.global_rank)
+            if rng.is_file():
+                RngState.from_checkpoint(torch.load(rng, weights_only=True)).install()
+            how = "same plan and world"
+        self.resumed_from = path
+        if self.is_global_zero:
+            print(f"lightning_fleet: resumed from {path} (step {manifest.step}; {how})", flush=True)
+        return state
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """Evaluation loads the full weights into the module; a fit's engine loaded its shards in load_checkpoint."""
+        if self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
+            self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=strict)
+            return
+        super().load_model_state_dict(checkpoint, strict)
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -850,7 +671,40 @@ class FleetStrategy(DeepSpeedStrategy):
             strategy_registry.register(name, cls, description=description, override=True, **init_params)
 
 
+class _FitState:
+    """What one fit's setup hands to the later hooks besides the Decision (mutable, per fit)."""
+
+    def __init__(self) -> None:
+        self.facts: JobFacts | None = None  # what a checkpoint of this job records (elastic/compatibility.py)
+        self.data: TrainingData | None = None  # the user's training data, as the strategy re-batches it
+        self.universal: Path | None = None  # the resharded form of the decided checkpoint (rank 0 converted it)
+        self.engine: Any = None  # the runtime's engine of the last fit (kept for saving after evaluation)
+        self.module_record: Any = None  # what the backend's hand_back restores at the end of fit
+        self.restorers: list[Any] = []  # how to undo this fit's module patches
+        self.training_precision: Any = None  # DeepSpeed's precision plugin while an evaluation uses a plain one
+
+
 # --- small helpers (module level: no strategy state) ------------------------------------------------
+
+
+def _check_trainer_flags(trainer) -> None:  # type: ignore[no-untyped-def]
+    """Trainer flags that the plan or the step order replace."""
+    if trainer.accumulate_grad_batches != 1:
+        raise FleetError(
+            f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) with strategy 'fleet': the plan chooses "
+            "gradient accumulation to keep the global batch; pass FleetStrategy(global_batch_size=...) instead"
+        )
+    if trainer.reload_dataloaders_every_n_epochs:
+        raise FleetError(
+            f"Trainer(reload_dataloaders_every_n_epochs={trainer.reload_dataloaders_every_n_epochs}) with strategy 'fleet': "
+            "the strategy reads the training data once at setup and keys its order by the global step; vary the data "
+            "inside your Dataset (e.g. by its set_epoch) instead"
+        )
+
+
+def _check_is_directory(path: Path) -> None:
+    if not path.is_dir():
+        raise FleetError(f"checkpoint {path} is not a directory: strategy 'fleet' resumes a fit from a FleetCheckpoint step or a trainer.save_checkpoint dir")
 
 
 def _user_training_loader(trainer) -> Any:  # type: ignore[no-untyped-def]
@@ -896,80 +750,3 @@ def _loss_of(output: Any) -> torch.Tensor:
             "needs the loss tensor or a dict with 'loss' from every micro-batch"
         ))
     return output
-
-
-def _check_runtime_supports(plan: PartialPlan, constraints: Any, module: Any) -> None:
-    """The axes a user fixed must be something this runtime executes for this module; say what is missing otherwise
-    (what else the runtime cannot run, PartialPlan.constraints names)."""
-    module_name = type(module).__name__
-    if (plan.tp or 1) > 1 and constraints.max_tp == 1:
-        raise FleetError(f"plan {plan} has tp={plan.tp}, but {module_name} defines no fleet_tensor_parallel() hook: add it or use tp=1")
-    if (plan.pp or 1) > 1 and constraints.max_pp == 1:
-        raise FleetError(f"plan {plan} has pp={plan.pp}, but {module_name} {_no_pipeline_because(module)}")
-    if (plan.pp or 1) > 1 and ((plan.tp or 1) > 1 or plan.offload not in (None, Offload.NONE) or (plan.zero or 0) > 1):
-        raise FleetError(f"plan {plan}: DeepSpeed's pipeline engine runs with zero <= 1, without tp and without offload")
-    if plan.sp or (plan.vpp or 1) > 1:
-        raise FleetError(f"plan {plan}: DeepSpeed runs neither sequence parallelism nor interleaved pipelines; use sp=false, vpp=1")
-    if plan.recompute is Recompute.SELECTIVE:
-        raise FleetError(f"plan {plan}: selective recomputation needs attention internals; use recompute=full or none")
-    if plan.recompute is Recompute.FULL and Recompute.FULL not in constraints.recompute:
-        raise FleetError(f"plan {plan}: recompute=full needs the layer stack: add fleet_layers() to {module_name}")
-    if plan.zero is not None and plan.zero not in constraints.zero_stages:
-        raise FleetError(f"plan {plan}: zero={plan.zero} is outside zero_stages={constraints.zero_stages}")
-    if plan.offload not in (None, Offload.NONE) and not constraints.allow_offload:
-        raise FleetError(f"plan {plan} offloads, but allow_offload=False")
-
-
-def _pipeline_note(plan: Plan) -> list[str]:
-    """What a pipeline plan changes for the user's code (said in the start-up report)."""
-    if plan.pp == 1:
-        return []
-    return [
-        "note     pipeline: each step runs fleet_pipeline()'s layers and loss_fn, not training_step (its logging and "
-        "metrics do not run; the step's loss is logged as train_loss); validation runs your validation_step"
-    ]
-
-
-def _no_pipeline_because(module: Any) -> str:
-    if not module.automatic_optimization:
-        return "optimizes manually, and a pipeline runs forward, backward and step itself: use pp=1"
-    return "defines no fleet_pipeline() (and fleet_layers()) hook: add it or use pp=1"
-
-
-def _check_checkpoint(path: Path) -> None:
-    """Raise FleetError unless the checkpoint's manifest verifies and its pickles import only allowed globals."""
-    verdict = verify(path)
-    if not verdict.ok:
-        raise FleetError(f"checkpoint {path} cannot be used: {verdict.reason}")
-    refuse_unsafe_pickles(path)
-
-
-def _engine_zeroes_gradients(*args: Any, **kwargs: Any) -> None:
-    """Stands in for LightningModule.optimizer_zero_grad under strategy 'fleet' (DeepSpeed zeroes after each step)."""
-
-
-def _checkpointed(forward: Any) -> Any:
-    """Full recomputation: a layer's forward under torch.utils.checkpoint (non-reentrant)."""
-    from torch.utils.checkpoint import checkpoint
-
-    return lambda *args, **kwargs: checkpoint(forward, *args, use_reentrant=False, **kwargs)
-
-
-def _print_table(chosen: Estimate, result: PlanResult | None, cluster: ClusterSpec, notes: list[str]) -> None:
-    """Rank 0's start-up report: how the module was measured and what was fixed, the plan, its predicted memory and
-    time, and why the runners-up lost."""
-    lines = [
-        f"lightning_fleet plan for {chosen.model.name} ({chosen.model.params / 1e6:.2f} M params, global batch "
-        f"{chosen.plan.global_batch_size}) on {cluster.name} ({cluster.world_size} x {cluster.groups[0].device.name}):",
-        *(f"  {note}" for note in notes),
-        f"  chosen   {chosen.plan}",
-        f"           predicted {chosen.time.step_s:.4g} s/step, {chosen.memory.total_bytes / GIB:.2f} of "
-        f"{chosen.memory.limit_bytes / GIB:.2f} GiB per device ({chosen.time.largest_term()[0]} dominates)",
-    ]
-    if result is not None:
-        lines.append(f"  searched {result.candidates} candidates, {result.feasible} fit, in {result.seconds:.3f} s")
-        for runner in result.plans[1:]:
-            lines.append(f"  runner-up {runner.plan}: {runner.time.step_s:.4g} s/step ({runner.time.step_s / chosen.time.step_s:.2f}x)")
-        for rejection in [r for r in result.rejected if not r.reason.startswith("slower")][:2]:
-            lines.append(f"  misfit   {rejection.plan}: {rejection.reason}")
-    print("\n".join(lines), flush=True)

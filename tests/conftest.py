@@ -1,4 +1,5 @@
-"""Shared fixtures: small specs that every tier-1 test can build without files."""
+"""Shared fixtures (small specs every test can build without files) and the tier check: every test carries exactly one
+of the tier markers registered in pyproject.toml, so that ``pytest -m <tier>`` selects every test of that tier."""
 
 from __future__ import annotations
 
@@ -71,3 +72,33 @@ def restore_environment():
     yield
     os.environ.clear()
     os.environ.update(saved)
+
+
+TIERS = ("pure", "unit", "multiprocess", "elastic", "gpu")
+"""The tier markers, fast first; their meaning is in pyproject.toml's [tool.pytest.ini_options] markers."""
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects anything: a test without a tier fails every run, not only the full one
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Refuse the collection when a test has no tier marker or several; skip the gpu tier where CUDA is missing."""
+    wrong = []
+    for item in items:
+        tiers = [tier for tier in TIERS if item.get_closest_marker(tier)]
+        if len(tiers) != 1:
+            wrong.append(f"{item.nodeid}: {'no tier marker' if not tiers else 'several tiers: ' + ', '.join(tiers)}")
+    if wrong:
+        raise pytest.UsageError(
+            f"every test needs exactly one tier marker of {', '.join(TIERS)} (see pyproject.toml), as a module's "
+            f"`pytestmark = pytest.mark.<tier>` or a test's `@pytest.mark.<tier>`:\n  " + "\n  ".join(wrong)
+        )
+    gpu = [item for item in items if item.get_closest_marker("gpu")]
+    if gpu and not _cuda_available():
+        for item in gpu:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+
+
+def _cuda_available() -> bool:
+    """Whether this machine has a CUDA device (torch is imported only when a gpu test was collected)."""
+    import torch
+
+    return torch.cuda.is_available()

@@ -1,22 +1,25 @@
-"""Tier-1 tests of the fits `fleet calibrate` applies to its microbenchmarks (lightning_fleet/calibrate.py)."""
+"""Tier-1 tests of the fits `fleet calibrate` applies to its microbenchmarks (lightning_fleet/calibrate/), and its summary."""
 
 from __future__ import annotations
 
 import pytest
 
-from lightning_fleet.calibrate import fit_alpha_beta, fit_saturation, least_squares_line
+from lightning_fleet.calibrate.measure import fit_alpha_beta, fit_saturation, least_squares_line
 
 
+@pytest.mark.pure
 def test_least_squares_line_through_exact_points() -> None:
     """y = 3 + 2x exactly: intercept 3, slope 2."""
     assert least_squares_line([1.0, 2.0, 4.0], [5.0, 7.0, 11.0]) == pytest.approx((3.0, 2.0))
 
 
+@pytest.mark.pure
 def test_least_squares_line_averages_noise() -> None:
     """(0, 1), (1, 1), (2, 4): mean x 1, mean y 2; slope (-1*-1 + 0 + 1*2) / 2 = 1.5, intercept 2 - 1.5 = 0.5."""
     assert least_squares_line([0.0, 1.0, 2.0], [1.0, 1.0, 4.0]) == pytest.approx((0.5, 1.5))
 
 
+@pytest.mark.pure
 def test_fit_saturation_recovers_peak_and_half_size() -> None:
     """Rates from r(d) = 1e11 * d / (d + 100) at d = 32 ... 512 give back (1e11, 100)."""
     points = [(d, 1e11 * d / (d + 100)) for d in (32, 64, 128, 256, 512)]
@@ -24,6 +27,7 @@ def test_fit_saturation_recovers_peak_and_half_size() -> None:
     assert peak == pytest.approx(1e11, rel=1e-9) and half == pytest.approx(100, rel=1e-9)
 
 
+@pytest.mark.pure
 def test_fit_saturation_flat_rate() -> None:
     """A rate that falls with size (no saturation to fit): half size 0 and the peak that minimises the relative
     errors, sum((p / r - 1)^2) -> p = sum(1/r) / sum(1/r^2)."""
@@ -32,6 +36,7 @@ def test_fit_saturation_flat_rate() -> None:
     assert peak == pytest.approx((1 / 2e10 + 1 / 1.5e10) / (1 / 2e10**2 + 1 / 1.5e10**2), rel=1e-12)
 
 
+@pytest.mark.pure
 def test_fit_saturation_minimises_the_relative_errors() -> None:
     """On rates the curve cannot follow exactly (a sharp knee), the fit is the least-squares one in relative error:
     moving the peak by 1 % or the half size by 5 % either way only makes sum(((r(d) - rate) / rate)^2) larger."""
@@ -47,6 +52,7 @@ def test_fit_saturation_minimises_the_relative_errors() -> None:
         assert objective(p, h) > best
 
 
+@pytest.mark.pure
 def test_fit_alpha_beta_recovers_the_ring_model() -> None:
     """t = 2(n-1) a + 2(n-1)/n B b with n = 4, a = 50 us, b = 1e-9 s/B: 6 a + 1.5 B b."""
     alpha, beta = 50e-6, 1e-9
@@ -55,6 +61,7 @@ def test_fit_alpha_beta_recovers_the_ring_model() -> None:
     assert fitted == pytest.approx((alpha, beta), rel=1e-6)
 
 
+@pytest.mark.multiprocess
 def test_fleet_calibrate_writes_a_cluster_for_two_processes(tmp_path):
     """`fleet calibrate --nproc-per-node 2` measures under torchrun (gloo, 127.0.0.1) and writes a cluster file the planner
     loads: 2 devices, a measured link, and the framework probe's per-ZeRO-stage tables."""
@@ -82,6 +89,7 @@ def test_fleet_calibrate_writes_a_cluster_for_two_processes(tmp_path):
     assert 1e-11 < c.elementwise_s < 1e-7  # memory-bound operators: ~1 ns an element on this CPU
 
 
+@pytest.mark.pure
 def test_fleet_calibrate_bad_process_count_is_one_line(capsys):
     from lightning_fleet.cli import main
 
@@ -89,17 +97,19 @@ def test_fleet_calibrate_bad_process_count_is_one_line(capsys):
     assert "--nproc-per-node must be >= 1, got 0" in capsys.readouterr().err
 
 
+@pytest.mark.pure
 def test_elementwise_s_is_the_slope_not_the_dispatch() -> None:
     """The per-element cost of LayerNorm/GELU/add/softmax on this CPU: positive, well under a microsecond, and (being a
     slope over sizes) not inflated by the per-call dispatch that op_overhead_s prices."""
     import torch
 
-    from lightning_fleet.calibrate import elementwise_s
+    from lightning_fleet.calibrate.measure import elementwise_s
 
     seconds = elementwise_s(torch.device("cpu"))
     assert 1e-11 < seconds < 1e-7
 
 
+@pytest.mark.pure
 def test_fit_saturation_with_a_largest_peak_is_the_constrained_least_squares() -> None:
     """Bounded to max_peak, the fit takes the peak at the bound when the free fit lies above it, and the half size that
     then minimises the relative errors: moving the half 5 % either way only makes the objective larger."""
@@ -115,10 +125,11 @@ def test_fit_saturation_with_a_largest_peak_is_the_constrained_least_squares() -
     assert fit_saturation(points, max_peak=2e11) == pytest.approx(fit_saturation(points))  # a bound above the fit changes nothing
 
 
+@pytest.mark.pure
 def test_a_curve_still_rising_is_not_extrapolated() -> None:
     """Rates that grow faster than the curve can follow (bf16 on this VM's AMX: 4 GFLOP/s at d = 32, 1.7 TFLOP/s at
     d = 406, measured) fitted half = 1e5 and a peak of ~20 TFLOP/s unbounded; the peak written is the fastest measured."""
-    from lightning_fleet.calibrate import fit_matmul
+    from lightning_fleet.calibrate.measure import fit_matmul
 
     measured = [(32, 4.1e9), (51, 19.4e9), (64, 38.2e9), (102, 137.5e9), (128, 249.3e9), (203, 661e9), (256, 914.7e9),
                 (406, 1584e9), (512, 1521e9), (1024, 1637e9)]
@@ -128,34 +139,37 @@ def test_a_curve_still_rising_is_not_extrapolated() -> None:
     assert not fit.still_rising  # 1024 ran at 1637, not 5 % above 1584
 
 
+@pytest.mark.pure
 def test_matmul_points_grow_the_gemm_while_it_gets_faster(monkeypatch) -> None:
     """After MATMUL_SHAPES, square GEMMs of doubling width are measured while each is >= 5 % faster than all before,
     so a saturating device's fastest GEMM is within a few percent of its peak; a flat one adds a single size."""
     import torch
 
-    from lightning_fleet import calibrate
+    from lightning_fleet.calibrate import measure
 
     def saturating(tokens, width, device, dtype, dispatch_s=0.0):  # r(d) = 1e14 * d / (d + 300), a GPU-like curve
         d = (tokens * width * width) ** (1 / 3)
         return 1e14 * d / (d + 300)
 
-    monkeypatch.setattr(calibrate, "matmul_rate", saturating)
-    points = calibrate.matmul_points(torch.device("cpu"), torch.float32, 0.0)
-    widths = [round(d) for d, _ in points[len(calibrate.MATMUL_SHAPES):]]
+    monkeypatch.setattr(measure, "matmul_rate", saturating)
+    points = measure.matmul_points(torch.device("cpu"), torch.float32, 0.0)
+    widths = [round(d) for d, _ in points[len(measure.MATMUL_SHAPES):]]
     assert widths == [1024, 2048, 4096, 8192]  # 8192 is the largest width; 4096 -> 8192 still gains 3.5 % < 5 %: stops
-    fit = calibrate.fit_matmul("bf16", points)
+    fit = measure.fit_matmul("bf16", points)
     assert fit.peak_flops == fit.best_flops and 0.96e14 < fit.peak_flops <= 1e14
 
-    monkeypatch.setattr(calibrate, "matmul_rate", lambda *args, **kwargs: 2e11)
-    points = calibrate.matmul_points(torch.device("cpu"), torch.float32, 0.0)
-    assert len(points) == len(calibrate.MATMUL_SHAPES) + 1
-    fit = calibrate.fit_matmul("fp32", points)
+    monkeypatch.setattr(measure, "matmul_rate", lambda *args, **kwargs: 2e11)
+    points = measure.matmul_points(torch.device("cpu"), torch.float32, 0.0)
+    assert len(points) == len(measure.MATMUL_SHAPES) + 1
+    fit = measure.fit_matmul("fp32", points)
     assert (fit.peak_flops, fit.half_dim, fit.bounded) == (pytest.approx(2e11), 0.0, False)
 
 
+@pytest.mark.pure
 def test_summary_says_what_was_measured_in_seven_lines() -> None:
     """The summary names the device, the peaks (and when the bound applied), memory, link, operators, framework, file."""
-    from lightning_fleet.calibrate import MatmulFit, Measurement, summary
+    from lightning_fleet.calibrate.command import summary
+    from lightning_fleet.calibrate.measure import MatmulFit, Measurement
     from tests.conftest import make_cluster
 
     cluster = make_cluster(nodes=1, devices_per_node=2, step_overhead_s=0.002, microbatch_overhead_s=0.0003)
@@ -176,7 +190,7 @@ def test_summary_says_what_was_measured_in_seven_lines() -> None:
 
 QUIET_SCRIPT = """
 import logging, os, sys, warnings
-from lightning_fleet.calibrate import quiet_output
+from lightning_fleet.calibrate.probe import quiet_output
 logging.basicConfig(level=logging.INFO)
 levels = (logging.getLogger().level, logging.getLogger("DeepSpeed").level)
 filters = list(warnings.filters)
@@ -197,6 +211,7 @@ if sys.argv[1] == "fail":
 """
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("mode", ["ok", "fail"])
 def test_quiet_output_keeps_everything_out_then_restores(mode, tmp_path) -> None:
     """Inside quiet_output nothing reaches the real stdout/stderr (Python, fd writes, warnings, logs, subprocesses);
@@ -216,18 +231,19 @@ def test_quiet_output_keeps_everything_out_then_restores(mode, tmp_path) -> None
         assert done.stderr.startswith("the probe said why\n") and "RuntimeError: probe failed" in done.stderr
 
 
+@pytest.mark.pure
 def test_matmul_points_stop_before_a_gemm_would_take_too_long(monkeypatch) -> None:
     """A slow device whose rate keeps rising: the next GEMM is not run once one call would exceed MATMUL_LONGEST_S."""
     import torch
 
-    from lightning_fleet import calibrate
+    from lightning_fleet.calibrate import measure
 
     def slow_rising(tokens, width, device, dtype, dispatch_s=0.0):  # 1 GFLOP/s at d = 512, doubling with d
         return 1e9 * (tokens * width * width) ** (1 / 3) / 512
 
-    monkeypatch.setattr(calibrate, "matmul_rate", slow_rising)
-    points = calibrate.matmul_points(torch.device("cpu"), torch.float32, 0.0)
-    assert len(points) == len(calibrate.MATMUL_SHAPES)  # 2 * 1024**3 / 1e9 = 2.1 s > 1 s: not run
-    monkeypatch.setattr(calibrate, "MATMUL_LONGEST_S", 3.0)
-    points = calibrate.matmul_points(torch.device("cpu"), torch.float32, 0.0)
-    assert [round(d) for d, _ in points[len(calibrate.MATMUL_SHAPES):]] == [1024]  # 2048 would take 8.6 s
+    monkeypatch.setattr(measure, "matmul_rate", slow_rising)
+    points = measure.matmul_points(torch.device("cpu"), torch.float32, 0.0)
+    assert len(points) == len(measure.MATMUL_SHAPES)  # 2 * 1024**3 / 1e9 = 2.1 s > 1 s: not run
+    monkeypatch.setattr(measure, "MATMUL_LONGEST_S", 3.0)
+    points = measure.matmul_points(torch.device("cpu"), torch.float32, 0.0)
+    assert [round(d) for d, _ in points[len(measure.MATMUL_SHAPES):]] == [1024]  # 2048 would take 8.6 s

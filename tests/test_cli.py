@@ -40,6 +40,7 @@ def check_estimate_shape(obj: dict) -> None:
     assert time["step_s"] == pytest.approx(sum(v for k, v in time.items() if k != "step_s"))
 
 
+@pytest.mark.pure
 def test_estimate_json_is_one_object_with_the_documented_fields(capsys):
     """fleet estimate --json prints exactly one JSON object with every documented key."""
     code, out, err = run_cli(capsys, "estimate", "--model", "gpt3-175b", "--cluster", "dgx-a100-80gb-x128", "--plan", "dp=8,tp=8,pp=16,mbs=1,recompute=full", "--json")
@@ -50,6 +51,7 @@ def test_estimate_json_is_one_object_with_the_documented_fields(capsys):
     assert obj["fits"] is True
 
 
+@pytest.mark.pure
 def test_plan_json_lists_plans_rejections_and_search(capsys):
     """fleet plan --json: plans best first, rejected with reasons, search counts and seconds."""
     code, out, _ = run_cli(capsys, "plan", "--model", "gpt-1.7b", "--cluster", "dgx-a100-80gb", "--top", "3", "--json")
@@ -61,11 +63,13 @@ def test_plan_json_lists_plans_rejections_and_search(capsys):
         assert e["fits"]
     steps = [e["time"]["step_s"] for e in obj["plans"]]
     assert steps == sorted(steps)
-    assert all(set(r) == {"plan", "reason"} and r["reason"] for r in obj["rejected"])
+    assert all(set(r) == {"plan", "kind", "reason"} and r["reason"] for r in obj["rejected"])
+    assert {r["kind"] for r in obj["rejected"]} <= {"layout", "memory", "slower"}
     assert set(obj["search"]) >= {"candidates", "feasible", "seconds"}
     assert obj["search"]["candidates"] >= obj["search"]["feasible"] >= 3
 
 
+@pytest.mark.pure
 def test_plan_table_and_plot(capsys, tmp_path):
     """Without --json a readable table; --plot writes a PNG."""
     png = tmp_path / "plan.png"
@@ -75,6 +79,7 @@ def test_plan_table_and_plot(capsys, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.pure
 def test_estimate_table(capsys):
     """Without --json the estimate prints memory and time terms and a verdict."""
     code, out, _ = run_cli(capsys, "estimate", "--model", "gpt-tiny", "--cluster", "cpu", "--plan", "dp=2")
@@ -108,6 +113,7 @@ BAD = [
 ]
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("argv,message", BAD)
 def test_bad_input_exits_2_with_one_line(capsys, argv, message):
     """Every bad input: exit code 2, nothing on stdout, exactly one line on stderr naming the problem."""
@@ -118,6 +124,7 @@ def test_bad_input_exits_2_with_one_line(capsys, argv, message):
     assert message in err
 
 
+@pytest.mark.pure
 def test_estimate_names_every_factor_of_an_impossible_plan(capsys):
     """A plan that is wrong in several ways names each factor."""
     code, _, err = run_cli(capsys, "estimate", "--model", "gpt-tiny", "--cluster", "dgx-a100-80gb", "--plan", "dp=1,tp=3,pp=3,gas=4")
@@ -126,6 +133,7 @@ def test_estimate_names_every_factor_of_an_impossible_plan(capsys):
         assert part in err
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("command", [["fleet"], [sys.executable, "-m", "lightning_fleet"]])
 def test_console_script_and_module_both_work(command, tmp_path):
     """The installed `fleet` script and `python -m lightning_fleet` run the same CLI, and bad input exits 2."""
@@ -141,6 +149,7 @@ def test_console_script_and_module_both_work(command, tmp_path):
     assert bad.returncode == 2 and bad.stderr.startswith("fleet: error: ") and bad.stderr.count("\n") == 1
 
 
+@pytest.mark.unit
 def test_planning_core_imports_no_torch_lightning_or_deepspeed():
     """lightning_fleet.planning (and the CLI) stand alone: importing them loads no heavy framework."""
     code = (
@@ -152,6 +161,7 @@ def test_planning_core_imports_no_torch_lightning_or_deepspeed():
     assert done.returncode == 0, done.stdout + done.stderr
 
 
+@pytest.mark.pure
 def test_plan_fix_keeps_the_fixed_axes_and_chooses_the_rest(capsys):
     """fleet plan --fix zero=1,mbs=4: every plan has ZeRO-1 and micro-batches of 4; layouts and the rest still vary."""
     argv = ("plan", "--model", "gpt-1.7b", "--cluster", "dgx-a100-80gb", "--top", "5", "--fix", "zero=1,mbs=4", "--json")
@@ -162,6 +172,7 @@ def test_plan_fix_keeps_the_fixed_axes_and_chooses_the_rest(capsys):
     assert len({(p["dp"], p["tp"], p["pp"]) for p in plans}) > 1
 
 
+@pytest.mark.pure
 def test_estimate_table_says_why_a_plan_does_not_fit(capsys):
     """A plan that does not fit: the verdict names the need, the device size and the largest term."""
     code, out, _ = run_cli(capsys, "estimate", "--model", "gpt3-175b", "--cluster", "dgx-a100-80gb", "--plan", "dp=8")
@@ -177,6 +188,7 @@ PIPED = [
 ]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("argv", PIPED, ids=["estimate-json", "estimate-table", "plan-json", "plan-table"])
 def test_a_reader_that_went_away_ends_quietly(argv):
     """Output into a pipe whose reader has exited (`fleet ... | head`): no traceback, nothing on stderr, and the status a
@@ -192,6 +204,7 @@ def test_a_reader_that_went_away_ends_quietly(argv):
     assert done.stderr == "" and done.returncode == 141
 
 
+@pytest.mark.unit
 def test_head_reads_the_start_of_the_json(tmp_path):
     """`fleet plan --json | head -c 10` through a shell: head gets the first bytes; fleet prints no traceback whether
     or not the pipe broke before it finished writing (61 kB of JSON against head reading 10 bytes)."""

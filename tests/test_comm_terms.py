@@ -8,8 +8,10 @@ from __future__ import annotations
 import pytest
 
 from lightning_fleet.planning.cluster import LinkLevel, LinkSpec
-from lightning_fleet.planning.comm import allgather_s, allreduce_s, axis_level, axis_stride, p2p_s, reduce_scatter_s
+from lightning_fleet.planning.comm import allgather_s, allreduce_s, axis_level, p2p_s, reduce_scatter_s
 from lightning_fleet.planning.plan import Axis, Plan
+
+pytestmark = pytest.mark.pure
 
 REL = 1e-9
 LINK = LinkSpec(bandwidth_GBps=100, latency_us=5)  # alpha = 5e-6 s, beta = 1 / 100e9 s/B
@@ -87,27 +89,7 @@ def test_p2p_s(nbytes: float, link: LinkSpec, expected: float) -> None:
     assert p2p_s(nbytes, link) == pytest.approx(expected, rel=REL)
 
 
-# --- axis_stride / axis_level ------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("plan", "strides"),
-    [
-        # default order tp, dp, pp (innermost first)
-        (Plan(dp=2, tp=8, pp=4), {Axis.TP: 1, Axis.DP: 8, Axis.PP: 8 * 2}),
-        (Plan(dp=4, tp=2, pp=2), {Axis.TP: 1, Axis.DP: 2, Axis.PP: 2 * 4}),
-        # dp innermost: dp stride 1, tp stride dp, pp stride dp*tp
-        (Plan(dp=2, tp=8, pp=4, order=("dp", "tp", "pp")), {Axis.DP: 1, Axis.TP: 2, Axis.PP: 2 * 8}),
-        # pp innermost, then tp, then dp
-        (Plan(dp=2, tp=4, pp=3, order=("pp", "tp", "dp")), {Axis.PP: 1, Axis.TP: 3, Axis.DP: 3 * 4}),
-        # tp, pp, dp: dp outermost
-        (Plan(dp=2, tp=4, pp=2, order=("tp", "pp", "dp")), {Axis.TP: 1, Axis.PP: 4, Axis.DP: 4 * 2}),
-    ],
-)
-def test_axis_stride(plan: Plan, strides: dict[Axis, int]) -> None:
-    """Rank distance on an axis = product of the degrees of the axes placed inside it (plan.order innermost first)."""
-    for axis, stride in strides.items():
-        assert axis_stride(plan, axis) == stride, axis
+# --- axis_level (strides: Plan.stride, tests/test_coordinates.py) -------------------------------
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,10 @@ import pytest
 from benchmarks import cost_model
 from benchmarks.cost_model import executable_plans, ranks, regret, relative_error, spearman
 from lightning_fleet.planning import parse_plan
-from lightning_fleet.runtime.deepspeed_config import runtime_constraints
+from lightning_fleet.runtime.base import ModuleHooks
+from lightning_fleet.runtime.deepspeed.capabilities import DEEPSPEED
+
+pytestmark = pytest.mark.pure
 
 
 def test_ranks_average_ties() -> None:
@@ -33,7 +36,7 @@ def test_executable_plans_are_what_the_runtime_runs() -> None:
     plans = executable_plans(2, num_layers=4, num_heads=4, global_batch=4)
     assert len(plans) == 8 * 2 * 2 + 8 * 2 * 3 + 2 * 2 * 3
     assert len(set(plans)) == len(plans)
-    allowed = runtime_constraints(has_tensor_parallel=True, has_pipeline=True, has_layers=True)
+    allowed = DEEPSPEED.constraints(ModuleHooks.assumed())
     for text in plans:
         plan = parse_plan(text)  # valid: offload needs ZeRO >= 1, parameter offload ZeRO-3
         assert plan.dp * plan.tp * plan.pp == 2 and plan.dp * plan.mbs * plan.gas == 4

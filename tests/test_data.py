@@ -215,6 +215,7 @@ def global_batches(make: Callable[[], DataLoader], *, dp: int, gas: int, start: 
 # --- every order source -------------------------------------------------------------------------------
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("source", sorted(SOURCES))
 def test_the_ranks_shares_are_the_global_batch_for_every_split(source):
     reference = global_batches(SOURCES[source], dp=1, gas=1)
@@ -226,6 +227,7 @@ def test_the_ranks_shares_are_the_global_batch_for_every_split(source):
         assert epochs[0] != epochs[1]
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("source", sorted(SOURCES))
 def test_resume_at_any_step_continues_exactly(source):
     full = global_batches(SOURCES[source], dp=2, gas=2, steps=9)
@@ -234,6 +236,7 @@ def test_resume_at_any_step_continues_exactly(source):
         assert global_batches(SOURCES[source], dp=4, gas=1, start=start, steps=9 - start) == full[start:], start
 
 
+@pytest.mark.pure
 def test_default_orders_are_the_global_batch_samplers():
     """Identity without shuffle, ``randperm(n, Generator().manual_seed(seed + epoch))`` with it (tests/reference.py's)."""
     sequential = sum(global_batches(SOURCES["sequential"], dp=2, gas=1, steps=4), [])
@@ -245,6 +248,7 @@ def test_default_orders_are_the_global_batch_samplers():
             assert sum(shuffled[4 * epoch : 4 * epoch + 4], []) == perm[:32]
 
 
+@pytest.mark.pure
 def test_inspect_names_the_order_source():
     expected = {
         "sequential": OrderSource.SEQUENTIAL,
@@ -262,6 +266,7 @@ def test_inspect_names_the_order_source():
     assert inspect_training_loader(SOURCES["subset"]()).sampler is not None
 
 
+@pytest.mark.pure
 def test_lightnings_distributed_wrapper_is_unwrapped_to_the_users_sampler():
     """Lightning's re-instantiated loader (distributed runs) wraps a custom sampler: the order is still the user's."""
     from lightning.fabric.utilities.distributed import DistributedSamplerWrapper
@@ -273,6 +278,7 @@ def test_lightnings_distributed_wrapper_is_unwrapped_to_the_users_sampler():
     assert global_batches(wrapped, dp=2, gas=1, steps=5) == global_batches(SOURCES["subset"], dp=2, gas=1, steps=5)
 
 
+@pytest.mark.pure
 def test_a_subset_sampler_never_leaves_its_subset():
     data = inspect_training_loader(SOURCES["subset"]())
     assert set(ids(example_batch(data, 4))) <= set(EVENS)
@@ -282,6 +288,7 @@ def test_a_subset_sampler_never_leaves_its_subset():
         assert len(set(seen)) == 16 and set(seen) <= set(EVENS)  # 16 of the 18, without repetition
 
 
+@pytest.mark.pure
 def test_the_users_sampler_generator_and_the_process_rngs_are_left_as_they_were():
     weighted = WeightedRandomSampler(torch.ones(36), 24, generator=torch.Generator().manual_seed(5))
     own = OwnGeneratorSampler(36)
@@ -304,6 +311,7 @@ def test_the_users_sampler_generator_and_the_process_rngs_are_left_as_they_were(
         assert vars(sampler) == saved_attributes
 
 
+@pytest.mark.pure
 def test_a_stream_consumes_no_rng_of_the_process():
     set_global_rngs(11)
     before = rng_states()
@@ -315,6 +323,7 @@ def test_a_stream_consumes_no_rng_of_the_process():
     assert same_rng(rng_states(), before)
 
 
+@pytest.mark.pure
 def test_example_batch_collates_the_first_samples():
     assert ids(example_batch(inspect_training_loader(SOURCES["sequential"]()), 5)) == [0, 1, 2, 3, 4]
     assert ids(example_batch(inspect_training_loader(SOURCES["shuffle"]()), 50)) == list(range(36))
@@ -325,6 +334,7 @@ def test_example_batch_collates_the_first_samples():
 # --- streams ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.pure
 def test_a_stream_is_read_once_per_pass_and_set_epoch_is_called():
     stream = ShuffledStream()
     data = inspect_training_loader(DataLoader(stream, batch_size=4))
@@ -343,6 +353,7 @@ def test_a_stream_is_read_once_per_pass_and_set_epoch_is_called():
     assert resumed_stream.epochs_set == [0, 1, 2]
 
 
+@pytest.mark.unit
 def test_a_stream_with_workers_is_grouped_in_the_stream_order():
     options = {"num_workers": 2, "worker_init_fn": tag_worker, "prefetch_factor": 3}
     make = lambda: DataLoader(WorkerStream(20), batch_size=2, **options)  # noqa: E731
@@ -353,6 +364,7 @@ def test_a_stream_with_workers_is_grouped_in_the_stream_order():
     assert global_batches(make, dp=4, gas=1, start=3, steps=2) == reference[3:]
 
 
+@pytest.mark.pure
 def test_a_stream_shorter_than_one_global_batch_is_one_line():
     data = inspect_training_loader(DataLoader(WorkerStream(5), batch_size=2))
     loader = step_loader(data, global_batch_size=G, dp_size=1, dp_rank=0, gas=1, seed=SEED, first_step=lambda: 0)
@@ -364,6 +376,7 @@ def test_a_stream_shorter_than_one_global_batch_is_one_line():
 # --- loader options -------------------------------------------------------------------------------
 
 
+@pytest.mark.pure
 def test_loader_options_are_carried_over():
     def init(worker_id: int) -> None:
         """A worker_init_fn that is compared, not run (the workers test runs one)."""
@@ -445,6 +458,7 @@ def refuse(call: Callable[[], Any], match: str) -> str:
     return str(err.value)
 
 
+@pytest.mark.pure
 def test_what_cannot_be_honoured_is_refused_with_one_line():
     make = lambda loader: lambda: inspect_training_loader(loader)  # noqa: E731
     refuse(make([1, 2]), "one torch DataLoader, but the training data is a list")
@@ -512,6 +526,7 @@ def lightning_fit(module, max_steps: int, ckpt_path=None):
     return trainer
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("source", ["subset", "stream"])
 def test_lightning_trains_the_global_order_and_resumes_it(source, tmp_path):
     stream = ShuffledStream()

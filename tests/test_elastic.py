@@ -15,16 +15,20 @@ import shutil
 import signal
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import psutil
 import pytest
 import torch
 
-from lightning_fleet.elastic.checkpoint import LATEST, MANIFEST, build_manifest, newest_verified, refuse_unsafe_pickles, verify
+from lightning_fleet.elastic.checkpoint import file_table, newest_verified, refuse_unsafe_pickles
+from lightning_fleet.elastic.layout import LATEST, MANIFEST, Manifest, verify
 from lightning_fleet.planning import FleetError
 from tests.multiprocess import ROOT, finish, free_port, worker_env
 from tests.reference import reference_run
+
+pytestmark = pytest.mark.elastic
 
 WORKER = ROOT / "tests" / "workers" / "elastic_gpt.py"
 FLEET = [sys.executable, "-m", "lightning_fleet", "launch"]
@@ -159,7 +163,7 @@ def test_sigterm_to_one_rank_stops_all_at_one_step_and_resumes(tmp_path, rank):
     assert stopped["preempted"] and stopped["global_step"] < 10
     assert steps_done(tmp_path, 0) == steps_done(tmp_path, 1) == stopped["global_step"]
     newest = newest_verified(tmp_path / "ckpt")
-    assert newest is not None and newest.manifest["step"] == stopped["global_step"]
+    assert newest is not None and newest.manifest.step == stopped["global_step"]
     again = launch(tmp_path, "--steps", "10", "--every", "100", "--plan", "dp=2,zero=2", restarts=0)
     assert finish(again) == 0, (tmp_path / "launch.log").read_text()[-3000:]
     assert_nothing_lost(tmp_path, 10)
@@ -261,8 +265,8 @@ def test_malicious_pickle_is_refused_and_never_runs(checkpoints, tmp_path):
     marker = tmp_path / "payload-ran"
     shard = largest_shard(step)
     torch.save({"state": Payload(marker)}, shard)
-    manifest = json.loads((step / MANIFEST).read_text())
-    (step / MANIFEST).write_text(json.dumps(build_manifest(step, {k: v for k, v in manifest.items() if k != "files"})))
+    manifest = Manifest.from_json((step / MANIFEST).read_text())
+    (step / MANIFEST).write_text(replace(manifest, files=file_table(step)).to_json())
     assert verify(step).ok  # the attacker kept the manifest consistent
     with pytest.raises(FleetError) as err:
         refuse_unsafe_pickles(step)

@@ -19,6 +19,8 @@ from tests.multiprocess import ROOT, run_worker
 from tests.reference import reference_run
 from tests.workers.train_gpt import DATA, SIZES
 
+pytestmark = pytest.mark.multiprocess
+
 WORKER = ROOT / "tests" / "workers" / "eval_gpt.py"
 STEPS, GBS = 4, 8
 PLANS = ["dp=2,zero=3", "dp=1,tp=2,zero=0", "dp=1,pp=2,zero=1"]

@@ -8,6 +8,8 @@ import pytest
 
 from tests.multiprocess import ROOT, run, worker_env
 
+pytestmark = pytest.mark.multiprocess
+
 TRAIN = [sys.executable, str(ROOT / "examples" / "gpt" / "train.py"), "fit", "--config", str(ROOT / "examples" / "gpt" / "config.yaml")]
 SMALL = [
     "--trainer.max_steps=3",

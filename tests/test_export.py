@@ -28,8 +28,10 @@ from examples.gpt.data import StdlibText
 from examples.gpt.model import GPT
 from lightning_fleet import cli
 from lightning_fleet.elastic.checkpoint import refuse_unsafe_pickles, torch_file_globals
-from lightning_fleet.export import LAYOUT, _wrapper_merge, export_checkpoint, export_state_dict, lightning_checkpoint
+from lightning_fleet.elastic.layout import EXPORT_LAYOUT
+from lightning_fleet.export import export_checkpoint, export_state_dict, lightning_checkpoint
 from lightning_fleet.planning import FleetError
+from lightning_fleet.runtime.deepspeed.reader import _wrapper_merge
 from tests.multiprocess import ROOT, run, worker_env
 from tests.reference import reference_run
 from tests.workers.train_gpt import DATA, SIZES, eval_batch
@@ -113,6 +115,7 @@ def _sources(where: Path) -> dict[str, Path]:
     }
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(("world", "index", "plan"), RUNS, ids=RUN_IDS)
 def test_export_equals_live_weights(jobs, world, index, plan):
     """Every way to point at the checkpoint gives the live full weights at that step, bit for bit, in the original
@@ -129,6 +132,7 @@ def test_export_equals_live_weights(jobs, world, index, plan):
             assert torch.equal(exported[key], tensor), f"{plan}, {name}: {key}"
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(("world", "index", "plan"), GPT_RUNS)
 def test_export_matches_single_process_reference(jobs, reference, world, index, plan):
     """The exported weights are the one-process reference's after the same steps (only summation order differs)."""
@@ -138,6 +142,7 @@ def test_export_matches_single_process_reference(jobs, reference, world, index, 
         torch.testing.assert_close(exported[key], tensor, atol=2e-5, rtol=0, msg=f"{plan}: {key}")
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(("world", "index", "plan"), RUNS, ids=RUN_IDS)
 def test_restored_module_is_the_plain_original_with_trained_weights(jobs, reference, world, index, plan):
     """After restore_module: original module types, keys, shapes and dtypes; no DeepSpeed attribute, hook or
@@ -157,6 +162,7 @@ def test_restored_module_is_the_plain_original_with_trained_weights(jobs, refere
         torch.testing.assert_close(result["logits"], reference[1], atol=1e-4, rtol=0)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(("world", "index", "plan"), MIXED_RUNS)
 def test_mixed_precision_exports_the_fp32_masters(jobs, world, index, plan):
     """Under bf16-mixed / 16-mixed the export (live and offline) is DeepSpeed's fp32 master of every parameter, bit for
@@ -177,6 +183,7 @@ def test_mixed_precision_exports_the_fp32_masters(jobs, world, index, plan):
         assert not torch.equal(master, low[key]), key  # ... and are not what the export returns
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(("world", "index", "plan"), RUNS, ids=RUN_IDS)
 def test_save_after_restore_writes_the_same_checkpoint(jobs, world, index, plan):
     """The engine keeps a mirror of the tree it trained: saving after the restore writes the same files and tensors
@@ -228,6 +235,7 @@ print(json.dumps(report))
 """
 
 
+@pytest.mark.multiprocess
 def test_exported_file_loads_without_lightning_fleet(jobs, tmp_path):
     """export_checkpoint -> one file: MyModule.load_from_checkpoint and torch.load(weights_only=True) read it in a
     fresh process that never imports lightning_fleet, and the model computes what the restored module computed."""
@@ -261,6 +269,7 @@ def _copy(jobs, tmp_path: Path, source: str, index: int = PLANS.index("dp=1,tp=2
     return target
 
 
+@pytest.mark.multiprocess
 def test_tampered_and_partial_checkpoints_are_one_clear_error(jobs, tmp_path):
     """A flipped byte in a FleetCheckpoint step (manifest mismatch), a shard missing or truncated in a plain save, a
     DeepSpeed save without a layout, a layout of an unknown format: each is a FleetError naming what is wrong."""
@@ -284,11 +293,12 @@ def test_tampered_and_partial_checkpoints_are_one_clear_error(jobs, tmp_path):
         export_state_dict(truncated)
 
     bare = _copy(jobs, tmp_path, "its state dir")
-    (bare / LAYOUT).unlink()
+    (bare / EXPORT_LAYOUT).unlink()
     with pytest.raises(FleetError, match=r"DeepSpeed checkpoint without fleet_layout.json"):
         export_state_dict(bare)
 
 
+@pytest.mark.multiprocess
 def test_fleet_export_command(jobs, tmp_path, capsys):
     """`fleet export CHECKPOINT --out FILE` writes the file and says so in one line; bad input is one
     `fleet: error: ...` line and exit code 2."""
@@ -299,16 +309,16 @@ def test_fleet_export_command(jobs, tmp_path, capsys):
     assert torch.load(tmp_path / "out" / "gpt.ckpt", weights_only=True)["state_dict"].keys() == GPT(**SIZES).state_dict().keys()
 
     odd = _copy(jobs, tmp_path, "save before restore")
-    layout = json.loads((odd / LAYOUT).read_text())
-    (odd / LAYOUT).write_text(json.dumps({**layout, "format": "lightning_fleet.layout/99"}))
+    layout = json.loads((odd / EXPORT_LAYOUT).read_text())
+    (odd / EXPORT_LAYOUT).write_text(json.dumps({**layout, "format": "lightning_fleet.layout/99"}))
     step = _copy(jobs, tmp_path, "step dir")
-    (step / "state" / LAYOUT).write_text((step / "state" / LAYOUT).read_text().replace('"tp": 2', '"tp": 1'))
+    (step / "state" / EXPORT_LAYOUT).write_text((step / "state" / EXPORT_LAYOUT).read_text().replace('"tp": 2', '"tp": 1'))
     (tmp_path / "empty").mkdir()
     bad = {
         str(tmp_path / "nowhere"): "does not exist",
         str(tmp_path / "empty"): "is not a checkpoint",
         str(odd): "has layout format 'lightning_fleet.layout/99'",
-        str(step): f"file state/{LAYOUT} does not match its sha256",
+        str(step): f"file state/{EXPORT_LAYOUT} does not match its sha256",
         str(odd / "checkpoint"): "holds DeepSpeed's files of one tag; give the checkpoint directory above it",
     }
     for checkpoint, reason in bad.items():
@@ -327,6 +337,7 @@ class Colour(enum.Enum):
     RED = "red"
 
 
+@pytest.mark.multiprocess
 def test_path_hyperparameter_is_read_and_written_as_str(jobs):
     """A pathlib.Path among the hyper-parameters (what LightningCLI passes for a path argument) unpickles as
     PosixPath(*parts), string parsing only: the resume screen and the export admit it; the exported dict holds it as
@@ -339,6 +350,7 @@ def test_path_hyperparameter_is_read_and_written_as_str(jobs):
     assert set(payload["state_dict"]) == set(GPT(**SIZES).state_dict())
 
 
+@pytest.mark.multiprocess
 def test_a_refused_global_is_named_not_called_corruption(jobs, tmp_path):
     """A class outside the allowlist in a pickle (an Enum hyper-parameter) is one line naming the global, the file and
     what to do; torch's multi-line coloured message never shows. A truncated file is still called damaged."""
@@ -363,6 +375,7 @@ def test_a_refused_global_is_named_not_called_corruption(jobs, tmp_path):
         torch.serialization.clear_safe_globals()
 
 
+@pytest.mark.pure
 def test_fused_wrapper_masters_are_split_by_the_recorded_groups():
     """DeepSpeed's FP16_Optimizer (a fused optimizer, CUDA only) saves one flat fp32 tensor per group, its parameters
     back to back as torch._utils._flatten_dense_tensors lays them: the layout's [name, shape] lists split it; a group

@@ -13,12 +13,14 @@ from lightning_fleet.planning import FleetError
 CONF = "--rdzv-conf=last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3,join_timeout=120"
 
 
+@pytest.mark.pure
 def test_defaults_are_added_before_the_script():
     """Elastic launches get the c10d backend and fast rendezvous settings; the script's own arguments are untouched."""
     argv = torchrun_argv(["--nnodes=1:2", "--nproc-per-node=2", "--rdzv-endpoint=127.0.0.1:29400", "train.py", "--rdzv-conf", "mine"])
     assert argv == ["--nnodes=1:2", "--nproc-per-node=2", "--rdzv-endpoint=127.0.0.1:29400", CONF, "--rdzv-backend=c10d", "train.py", "--rdzv-conf", "mine"]
 
 
+@pytest.mark.pure
 def test_user_settings_win_and_are_merged():
     """A given --rdzv-conf (either spelling) keeps its values; missing keys get the defaults; a given backend stays."""
     argv = torchrun_argv(["--nproc_per_node", "2", "--rdzv_conf", "keep_alive_interval=2", "--rdzv-backend", "static", "--rdzv-endpoint", "h:1", "t.py"])
@@ -26,17 +28,20 @@ def test_user_settings_win_and_are_merged():
     assert "--rdzv-backend=c10d" not in argv and argv[-1] == "t.py"
 
 
+@pytest.mark.pure
 def test_fewer_than_three_keep_alive_attempts_are_refused():
     """keep_alive_max_attempt=2 produced a split brain here: refused with the reason."""
     with pytest.raises(FleetError, match="keep_alive_max_attempt=2: fewer than 3"):
         torchrun_argv(["--rdzv-conf=keep_alive_max_attempt=2", "t.py"])
 
 
+@pytest.mark.pure
 def test_script_is_required():
     with pytest.raises(FleetError, match="needs a training script"):
         torchrun_argv(["--nproc-per-node=2"])
 
 
+@pytest.mark.unit
 def test_unresolvable_endpoint_fails_at_once_with_one_line(capsys):
     """Scenario 11: a rendezvous host that does not exist is one error line and exit 2 within a second, not minutes of retries."""
     started = time.monotonic()
@@ -46,6 +51,7 @@ def test_unresolvable_endpoint_fails_at_once_with_one_line(capsys):
     assert err.count("\n") == 1 and "host 'no-such-host.invalid' does not resolve" in err
 
 
+@pytest.mark.unit
 def test_unreachable_endpoint_fails_within_read_timeout(capsys):
     """Scenario 11: a remote endpoint that accepts no connection (TEST-NET-1 address) is one line and exit 2 after
     read_timeout, instead of torchrun's 158 s of retries with C++ stack traces (measured)."""
@@ -56,6 +62,7 @@ def test_unreachable_endpoint_fails_within_read_timeout(capsys):
     assert err.count("\n") == 1 and "--rdzv-endpoint 192.0.2.1:29400 did not accept a connection within 3 s" in err
 
 
+@pytest.mark.unit
 def test_silent_endpoint_is_a_bounded_failure(tmp_path):
     """Scenario 11: a port that accepts connections but is no rendezvous store (torchrun alone hangs for good here):
     the launcher exits 2 with one line after join_timeout + read_timeout, and started no worker."""

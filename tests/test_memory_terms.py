@@ -36,6 +36,8 @@ from lightning_fleet.planning.model import (
 from lightning_fleet.planning.plan import Offload, Recompute
 from lightning_fleet.planning.stages import StageLoad, stage_loads
 
+pytestmark = pytest.mark.pure
+
 REL = 1e-9
 MIXED = Precision.BF16_MIXED
 FP32 = Precision.FP32
@@ -555,7 +557,31 @@ def test_state_bytes_of_a_partly_frozen_model() -> None:
     model = _frozen_backbone(tied_frozen=True)
     (load,) = stage_loads(model, 1)
     hw = Hardware.of(make_cluster(devices_per_node=2), model)
-    params, grads, optimizer, _, host = stage_state_bytes(model, hw, load, tp=1, dp=2, zero=1, offload=Offload.NONE)
-    assert (params, grads, optimizer, host) == (2 * 2100, 2 * 300, 12 * 300 / 2, 0.0)
-    params, grads, optimizer, _, host = stage_state_bytes(model, hw, load, tp=1, dp=2, zero=2, offload=Offload.OPTIMIZER)
-    assert (params, grads, optimizer, host) == (2 * 2100, 2 * 300 / 2, 0.0, 16 * 300 / 2)
+    s = stage_state_bytes(model, hw, load, tp=1, dp=2, zero=1, offload=Offload.NONE)
+    assert (s.params_bytes, s.grads_bytes, s.optimizer_bytes, s.host_bytes) == (2 * 2100, 2 * 300, 12 * 300 / 2, 0.0)
+    s = stage_state_bytes(model, hw, load, tp=1, dp=2, zero=2, offload=Offload.OPTIMIZER)
+    assert (s.params_bytes, s.grads_bytes, s.optimizer_bytes, s.host_bytes) == (2 * 2100, 2 * 300 / 2, 0.0, 16 * 300 / 2)
+
+
+def test_state_bytes_with_activations_is_the_stage_memory() -> None:
+    """StateBytes next to a stage's activations is the MemoryEstimate stage_memory builds: ZeRO-1 with the optimizer
+    offloaded at dp 2, bf16, 300 of 2100 parameters training: weights 2 B x 2100, gradients 2 B x 300, no Adam state
+    on the device, 16 B x 300 / dp 2 on the host; device_bytes sums params, grads, optimizer and other in that order."""
+    from lightning_fleet.planning.estimate import Hardware, stage_activation_bytes, stage_memory, stage_state_bytes
+    from lightning_fleet.planning.plan import Plan
+    from tests.conftest import make_cluster
+
+    model = _frozen_backbone(tied_frozen=True)
+    (load,) = stage_loads(model, 1)
+    hw = Hardware.of(make_cluster(devices_per_node=2), model)
+    plan = Plan(dp=2, zero=1, mbs=4, gas=1, offload=Offload.OPTIMIZER)
+    state = stage_state_bytes(model, hw, load, tp=1, dp=2, zero=1, offload=Offload.OPTIMIZER)
+    assert (state.params_bytes, state.grads_bytes, state.optimizer_bytes) == (2 * 2100, 2 * 300, 0.0)
+    assert state.host_bytes == 16 * 300 / 2
+    assert state.device_bytes == 2 * 2100 + 2 * 300 + 0.0 + state.other_bytes
+    activations = stage_activation_bytes(load, plan, plan.recompute)
+    memory = state.with_activations(activations, hw, load.index)
+    assert memory == stage_memory(model, hw, plan, load)
+    assert (memory.activations_bytes, memory.limit_bytes, memory.host_limit_bytes, memory.stage) == (
+        activations, hw.memory_bytes, hw.host_bytes_per_device, 0
+    )

@@ -37,6 +37,8 @@ import pytest
 from tests.multiprocess import ROOT, free_port, worker_env
 from tests.test_elastic import FLEET, WORKER, assert_nothing_lost, finish, records, worker_pid
 
+pytestmark = pytest.mark.elastic
+
 
 @dataclass(frozen=True)
 class Host:

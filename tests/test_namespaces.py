@@ -37,6 +37,7 @@ def run_code(code: str, tmp_path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=worker_env(tmp_path), capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "imports,base,strategy,module",
     [
@@ -60,6 +61,7 @@ def test_trains_in_any_import_order_and_namespace(tmp_path, imports, base, strat
     assert f"TRAINED {expected}.strategies.deepspeed" in done.stdout
 
 
+@pytest.mark.pure
 def test_pytorch_lightning_copy_is_served_from_the_same_sources():
     """The pytorch_lightning classes are the same source files with the Lightning imports renamed, nothing else."""
     from lightning_fleet import pl

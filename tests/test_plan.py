@@ -9,6 +9,8 @@ import pytest
 from lightning_fleet.planning import Axis, Offload, Plan, PlanError, Recompute, parse_plan
 from lightning_fleet.planning.plan import plan_from_mapping
 
+pytestmark = pytest.mark.pure
+
 ISSUE_STRING = "dp=32,tp=8,pp=4,zero=1,mbs=2,gas=28,recompute=full,sp=false,vpp=1,offload=none"
 
 

@@ -17,9 +17,10 @@ from torch import nn
 
 from examples.gpt.model import GPT
 from lightning_fleet import profiling
+from lightning_fleet.hooks import find_layers
 from lightning_fleet.planning import Role
 from lightning_fleet.planning.model import layer_elementwise, layer_flops
-from lightning_fleet.profiling import Method, find_layers, profile, profile_module
+from lightning_fleet.profiling import Method, profile, profile_module
 from tests.multiprocess import QUIET_TRAINER
 
 
@@ -48,6 +49,7 @@ class _Net(nn.Module):
         return self(batch).sum()
 
 
+@pytest.mark.pure
 def test_elements_of_operators_without_matmul_are_counted_per_block_and_sample() -> None:
     """gelu and the add count their outputs; the Linear's matmul counts FLOPs; views count nothing."""
     spec = profile_module(_Net(), torch.zeros(5, 8), global_batch_size=5)
@@ -60,6 +62,7 @@ def test_elements_of_operators_without_matmul_are_counted_per_block_and_sample()
     assert post.elementwise == pytest.approx(8 + 2 + 1 / 5)  # LayerNorm: output, mean, rstd per sample; the sum: one scalar for 5
 
 
+@pytest.mark.pure
 def test_gpt_layer_matches_the_closed_forms() -> None:
     """The example GPT's profiled layer has the closed-form FLOPs exactly and the closed-form memory-bound elements plus
     what the meta device's math attention adds: the causal mask (s*s) and the LayerNorm statistics (4*s)."""
@@ -99,6 +102,7 @@ def _linear_flops(rows_per_sample: float = 1.0) -> float:
     return 2 * 8 * 4 * rows_per_sample
 
 
+@pytest.mark.pure
 def test_sequential_mlp_parameters_are_counted_once() -> None:
     """Layers that own their parameters directly (Linear in a Sequential) were counted in ``pre`` too: 10,626 vs 5,313."""
 
@@ -117,6 +121,7 @@ def test_sequential_mlp_parameters_are_counted_once() -> None:
     assert find_layers(module) is None  # Linear, ReLU, Linear: not one repeated type
 
 
+@pytest.mark.pure
 def test_parameters_of_modules_that_never_ran_are_counted_in_pre_and_ties_in_both_ends() -> None:
     class Tied(nn.Module):
         def __init__(self) -> None:
@@ -171,6 +176,7 @@ class _Idioms(LightningModule):
         return loss
 
 
+@pytest.mark.pure
 def test_meta_stands_in_for_values_shapes_and_devices_and_counts_them() -> None:
     """Everything the step needs runs on meta; the boolean mask selects every row (the upper bound)."""
     result = profile(_Idioms(), (torch.randn(6, 8), torch.tensor([True, False] * 3)), global_batch_size=6)
@@ -182,6 +188,7 @@ def test_meta_stands_in_for_values_shapes_and_devices_and_counts_them() -> None:
     assert "3 data-dependent shape(s) (boolean mask, nonzero, unique) were taken at their upper bound" in joined
 
 
+@pytest.mark.pure
 def test_real_slice_when_meta_cannot_run() -> None:
     """``.tolist()`` reads data: the step runs on 2 real samples; FLOPs per sample match the meta profile."""
 
@@ -204,6 +211,7 @@ def test_real_slice_when_meta_cannot_run() -> None:
     assert "last" not in module.__dict__
 
 
+@pytest.mark.pure
 def test_real_method_leaves_no_graph_behind() -> None:
     """A step that keeps its (graph-holding) loss: after profiling nothing references it, without a gc pass."""
 
@@ -220,6 +228,7 @@ def test_real_method_leaves_no_graph_behind() -> None:
     assert KEPT and all(ref() is None for ref in KEPT)
 
 
+@pytest.mark.pure
 def test_parameters_method_when_no_step_runs() -> None:
     """Exact parameter counts; FLOPs 2 per parameter per token (Kaplan et al. 2020) at the batch's sequence length."""
 
@@ -251,6 +260,7 @@ def test_parameters_method_when_no_step_runs() -> None:
     assert "micro-batch dependence not checked: RuntimeError: this step needs a GPU" in result.notes[-1]
 
 
+@pytest.mark.pure
 def test_real_method_never_writes_into_the_users_weights() -> None:
     """The real copy shares the weights' storage: an in-place write is refused before it happens."""
 
@@ -269,6 +279,7 @@ def test_real_method_never_writes_into_the_users_weights() -> None:
     assert torch.equal(module.lin.weight, weights)
 
 
+@pytest.mark.pure
 def test_structural_copy_when_deepcopy_fails() -> None:
     """An unpicklable attribute (a lock): the module is copied structurally; its list and the lock stay untouched."""
 
@@ -293,6 +304,7 @@ def test_structural_copy_when_deepcopy_fails() -> None:
     assert module.lock is lock and module.history is history and history == [first] and torch.equal(first, torch.ones(2))
 
 
+@pytest.mark.pure
 def test_rng_streams_and_grad_mode_are_restored() -> None:
     class Draws(_Step):
         def extra(self, x, loss):
@@ -325,6 +337,7 @@ class _Loss(nn.Module):
         return F.cross_entropy(self.net(x), y, reduction=self.reduction)
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize(
     ("module", "samples", "expected", "note"),
     [
@@ -344,6 +357,7 @@ def test_micro_batch_dependence(module: nn.Module, samples: int, expected: bool 
     assert note in result.notes[-1]
 
 
+@pytest.mark.pure
 def test_micro_batch_check_has_a_flops_budget(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(profiling, "BATCH_CHECK_FLOPS", 100.0)
     result = profile(_Loss(reduction="sum"), (torch.randn(8, 8), torch.zeros(8, dtype=torch.long)), global_batch_size=8)
@@ -396,6 +410,7 @@ class _ProfileAtSetup(Callback):
         self.logged = dict(trainer.callback_metrics)
 
 
+@pytest.mark.unit
 def test_manual_optimization_profiles_at_setup_without_loading_data_early(tmp_path) -> None:
     callback = _ProfileAtSetup()
     trainer = Trainer(default_root_dir=tmp_path, max_epochs=1, accelerator="cpu", devices=1, callbacks=[callback], **QUIET_TRAINER)
@@ -406,6 +421,7 @@ def test_manual_optimization_profiles_at_setup_without_loading_data_early(tmp_pa
     assert trainer.global_step == 2 * 2  # the fit itself ran: two optimizers stepped on two batches
 
 
+@pytest.mark.pure
 def test_report_lines_and_profile_module() -> None:
     result = profile(_Step(), torch.randn(4, 8), global_batch_size=4)
     assert result.report_lines()[0] == "profiling: meta (exact, training_step on meta tensors)"
@@ -413,6 +429,7 @@ def test_report_lines_and_profile_module() -> None:
     assert profile_module(_Step(), torch.randn(4, 8), global_batch_size=4) == result.spec
 
 
+@pytest.mark.pure
 def test_real_method_has_a_flops_budget(monkeypatch: pytest.MonkeyPatch) -> None:
     """A module too large to run for real at start-up gets parameter counts instead (2 x 36 params x 1 token x 2 samples)."""
 
@@ -429,6 +446,7 @@ def test_real_method_has_a_flops_budget(monkeypatch: pytest.MonkeyPatch) -> None
     )
 
 
+@pytest.mark.pure
 def test_every_supported_data_dependent_shape_gets_its_upper_bound() -> None:
     class Shapes(nn.Module):
         def __init__(self) -> None:
@@ -452,6 +470,7 @@ def test_every_supported_data_dependent_shape_gets_its_upper_bound() -> None:
     assert "6 data-dependent shape(s) (bincount, masked_select, unique, unique_consecutive)" in result.notes[1]
 
 
+@pytest.mark.pure
 def test_data_sources_held_by_the_module_are_shared_not_copied() -> None:
     """A module that keeps its data set (from setup()) is not copied with it: the data would be held twice per run."""
     from torch.utils.data import TensorDataset

@@ -10,8 +10,9 @@ import pytest
 import torch
 from lightning.pytorch import Trainer, seed_everything
 
+from lightning_fleet.hooks import find_layers
 from lightning_fleet.planning import Role
-from lightning_fleet.profiling import Method, find_layers, profile
+from lightning_fleet.profiling import Method, profile
 from tests.multiprocess import QUIET_TRAINER
 from tests.zoo import CASES, Case, example_batch, snapshot_differences, state_snapshot
 
@@ -36,6 +37,7 @@ def _fitted(case: Case, root: Path) -> tuple[torch.nn.Module, Trainer]:
     return module, trainer
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name", list(CASES))
 def test_zoo_module_profiles_on_meta_and_is_left_unchanged(name: str, tmp_path: Path) -> None:
     case = CASES[name]
@@ -52,6 +54,7 @@ def test_zoo_module_profiles_on_meta_and_is_left_unchanged(name: str, tmp_path: 
     assert result.batch_dependent is case.batch_dependent, result.notes
 
 
+@pytest.mark.pure
 def test_nested_transformer_encoder_stack_is_found() -> None:
     """nn.TransformerEncoder keeps its layers in ``encoder.layers``, two levels below the LightningModule."""
     case = CASES["transformer_encoder"]
@@ -68,6 +71,7 @@ def test_nested_transformer_encoder_stack_is_found() -> None:
     assert spec.seq_length == 8 and spec.hidden_size == 16
 
 
+@pytest.mark.pure
 def test_frozen_backbone_blocks_say_what_trains() -> None:
     case = CASES["frozen_backbone"]
     seed_everything(0, verbose=False)
@@ -79,6 +83,7 @@ def test_frozen_backbone_blocks_say_what_trains() -> None:
     assert [b.trainable_params for b in spec.blocks if b.role is not Role.LAYER] == [None, None]  # nothing there: all of 0
 
 
+@pytest.mark.pure
 def test_llama_layers_come_from_its_fleet_layers_hook() -> None:
     case = CASES["llama"]
     seed_everything(0, verbose=False)
@@ -119,6 +124,7 @@ def _draw(module, trainer) -> None:
     torch.rand(1)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("change", [_append_loss, _rebind_running_mean, _bump_buffer, _add_hook, _freeze_weight, _log, _draw])
 def test_the_snapshot_sees_every_kind_of_change(change, tmp_path: Path) -> None:
     """The comparison above is not blind: each of these changes to a fitted module, its trainer or the RNG is seen."""

@@ -3,7 +3,7 @@ in the manifest and compared before anything is loaded; a mismatch is one line (
 
 from __future__ import annotations
 
-import json
+from dataclasses import replace
 
 import torch
 
@@ -14,8 +14,9 @@ from lightning.pytorch import Trainer, seed_everything
 import lightning_fleet
 from examples.gpt.data import StdlibText
 from examples.gpt.model import GPT
-from lightning_fleet.elastic.checkpoint import MANIFEST, SET_ASIDE, committed
-from lightning_fleet.elastic.compatibility import incompatibility, job_facts
+from lightning_fleet.elastic.checkpoint import committed
+from lightning_fleet.elastic.compatibility import JobFacts, incompatibility, job_facts
+from lightning_fleet.elastic.layout import MANIFEST, SET_ASIDE, Manifest
 from lightning_fleet.planning import FleetError
 from tests.multiprocess import QUIET_TRAINER
 
@@ -31,15 +32,17 @@ def fit(tmp_path, layers: int = 2, seed: int = 0, steps: int = 2, ckpt_path=None
     return trainer
 
 
+@pytest.mark.unit
 def test_manifest_records_the_job_and_the_same_job_resumes(tmp_path):
     first = fit(tmp_path)
-    manifest = json.loads((committed(tmp_path / "ckpt")[0] / MANIFEST).read_text())
-    assert manifest["model"]["sha256"] == first.strategy.checkpoint_facts()["model"]["sha256"]
-    assert manifest["data_seed"] == 0 and manifest["global_batch_size"] == 4
+    manifest = Manifest.from_json((committed(tmp_path / "ckpt")[0] / MANIFEST).read_text())
+    assert manifest.model == first.strategy.checkpoint_facts().model
+    assert manifest.data_seed == 0 and manifest.global_batch_size == 4
     again = fit(tmp_path, steps=3)
     assert again.strategy.resumed_from == committed(tmp_path / "ckpt")[1] and again.global_step == 3
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "change,words",
     [
@@ -56,6 +59,7 @@ def test_a_changed_job_is_refused_in_one_line(tmp_path, change, words):
     assert "\n" not in message and words in message and "resume='if_compatible'" in message
 
 
+@pytest.mark.unit
 def test_if_compatible_sets_the_other_jobs_checkpoints_aside_and_starts_fresh(tmp_path):
     fit(tmp_path)
     old = committed(tmp_path / "ckpt")
@@ -66,6 +70,7 @@ def test_if_compatible_sets_the_other_jobs_checkpoints_aside_and_starts_fresh(tm
     assert restarted.strategy.resumed_from is not None and restarted.global_step == 3
 
 
+@pytest.mark.unit
 def test_never_starts_fresh_and_keeps_the_old_checkpoints(tmp_path):
     fit(tmp_path)
     trainer = fit(tmp_path, steps=1, resume="never")
@@ -73,20 +78,34 @@ def test_never_starts_fresh_and_keeps_the_old_checkpoints(tmp_path):
     assert len(list((tmp_path / "ckpt" / SET_ASIDE).iterdir())) == 2
 
 
+@pytest.mark.pure
 def test_bad_resume_policy_is_one_line():
     with pytest.raises(FleetError, match="resume='sometimes'"):
         lightning_fleet.FleetStrategy(resume="sometimes")
 
 
+def recorded(facts: JobFacts | None, **changes) -> Manifest:
+    """The manifest a job with ``facts`` writes (None: one from before the facts were recorded)."""
+    return Manifest(step=3, world_size=1, plan=None, global_batch_size=facts.global_batch_size if facts else None,
+                    model=facts.model if facts else None, data_seed=facts.data_seed if facts else None, files={}, **changes)
+
+
+@pytest.mark.pure
 def test_facts_compare_shapes_dtypes_and_missing_tensors():
     a = job_facts(GPT(num_layers=2, hidden_size=32, num_heads=4, seq_length=32), global_batch_size=8, data_seed=0)
     wider = job_facts(GPT(num_layers=2, hidden_size=64, num_heads=4, seq_length=32), global_batch_size=8, data_seed=0)
-    assert incompatibility(a, a) == ""
-    assert "'tok.weight' is 256x32 float32 in the checkpoint but 256x64 float32 in this module" in incompatibility(a, wider)
-    assert incompatibility({"step": 3}, a) == ""  # a manifest from before facts were recorded
-    assert incompatibility(a, {**a, "global_batch_size": None}) == ""  # the job does not fix it
+    deeper = job_facts(GPT(num_layers=3, hidden_size=32, num_heads=4, seq_length=32), global_batch_size=8, data_seed=0)
+    assert incompatibility(recorded(a), a) == ""
+    assert "'tok.weight' is 256x32 float32 in the checkpoint but 256x64 float32 in this module" in incompatibility(recorded(a), wider)
+    assert incompatibility(recorded(a), deeper).startswith("this module has 'blocks.2.")
+    assert incompatibility(recorded(deeper), a).startswith("the checkpoint has 'blocks.2.")
+    assert incompatibility(recorded(None), a) == ""  # a manifest from before facts were recorded
+    assert incompatibility(recorded(a), replace(a, global_batch_size=None)) == ""  # the job does not fix it
+    assert "global batch size 8, this job asks for 16" in incompatibility(recorded(a), replace(a, global_batch_size=16))
+    assert "seeded with 0, this job seeds it with 1" in incompatibility(recorded(a), replace(a, data_seed=1))
 
 
+@pytest.mark.unit
 def test_a_plan_that_contradicts_the_checkpoints_is_one_line_and_a_compatible_one_continues(tmp_path):
     """Same world: the checkpoint's plan continues when the job's fixed keys agree with it, else one line says which clash."""
     fit(tmp_path, plan="zero=1")
@@ -97,6 +116,7 @@ def test_a_plan_that_contradicts_the_checkpoints_is_one_line_and_a_compatible_on
     assert "\n" not in message and "but this job fixes zero=2: drop those from plan=/micro_batch_size=" in message
 
 
+@pytest.mark.unit
 def test_a_given_ckpt_path_is_continued_and_nothing_else_is_touched(tmp_path):
     """fit(ckpt_path=<step>) continues that step whatever resume= says about the directory's newest one."""
     fit(tmp_path, steps=3)
@@ -106,6 +126,7 @@ def test_a_given_ckpt_path_is_continued_and_nothing_else_is_touched(tmp_path):
     assert not (tmp_path / "ckpt" / SET_ASIDE).exists()
 
 
+@pytest.mark.unit
 def test_a_given_ckpt_path_of_another_model_is_one_line(tmp_path):
     fit(tmp_path)
     with pytest.raises(FleetError) as err:
@@ -113,6 +134,7 @@ def test_a_given_ckpt_path_of_another_model_is_one_line(tmp_path):
     assert "\n" not in str(err.value) and "cannot be resumed by this job: this module has 'blocks.2." in str(err.value)
 
 
+@pytest.mark.unit
 def test_a_checkpoint_plan_this_job_may_not_run_is_one_line(tmp_path):
     """Switching to ZeRO-3 only (the fleet_zero3 preset) does not silently continue a ZeRO-1 checkpoint."""
     fit(tmp_path, plan="zero=1")
@@ -122,6 +144,7 @@ def test_a_checkpoint_plan_this_job_may_not_run_is_one_line(tmp_path):
     assert "\n" not in message and "which this job may not run" in message and "zero=1 is outside zero_stages=(3,)" in message
 
 
+@pytest.mark.unit
 def test_a_plain_checkpoint_dir_is_screened_before_it_is_loaded(tmp_path):
     """fit(ckpt_path=<trainer.save_checkpoint dir>): a planted payload is refused before DeepSpeed unpickles anything."""
     import os as _os
@@ -157,6 +180,7 @@ class Dropped(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+@pytest.mark.unit
 def test_a_resumed_job_continues_the_random_stream(tmp_path):
     """Checkpoint mid-epoch at step 3, resume to 6: dropout draws what the uninterrupted job drew, bit for bit."""
     from torch.utils.data import DataLoader, TensorDataset

@@ -17,11 +17,14 @@ from lightning_fleet.planning import (
     Plan,
     PlanError,
     Recompute,
+    RejectionKind,
     estimate,
     parse_plan,
     plan,
 )
 from lightning_fleet.planning.search import divisors
+
+pytestmark = pytest.mark.pure
 
 
 def brute_force(model, cluster, cons: Constraints = Constraints()):
@@ -151,9 +154,38 @@ def test_misfit_reasons_name_the_term_and_the_shortfall():
     """Rejected families say how much memory they lack and which term is largest."""
     model = make_model(layers=4, hidden=2048, heads=16, seq=2048, gbs=64)
     result = plan(model, make_cluster(nodes=1, devices_per_node=4, memory_gib=16), top=1)
-    misfits = [r for r in result.rejected if r.reason.startswith("needs")]
+    misfits = [r for r in result.rejected if r.kind is RejectionKind.MEMORY]
     assert misfits, result.rejected
     assert all("short" in r.reason and "largest term" in r.reason for r in misfits)
+
+
+def test_every_rejection_has_a_kind_in_report_order():
+    """Runners-up (slower), then families that do not fit (memory, closest first), then the layout that cannot split the
+    batch (dp=8 does not divide 12) come back with their kind, which to_dict carries next to the reason."""
+    model = make_model(layers=4, hidden=2048, heads=16, seq=2048, gbs=12)
+    result = plan(model, make_cluster(nodes=1, devices_per_node=8, memory_gib=4), top=2, max_rejected=25)
+    kinds = [r.kind for r in result.rejected]
+    assert set(kinds) == set(RejectionKind)
+    assert kinds == sorted(kinds, key=[RejectionKind.SLOWER, RejectionKind.MEMORY, RejectionKind.LAYOUT].index)
+    slower = [r for r in result.rejected if r.kind is RejectionKind.SLOWER]
+    assert [r.plan for r in slower] == [str(e.plan) for e in result.all_feasible[2 : 2 + len(slower)]]
+    memory = [r for r in result.rejected if r.kind is RejectionKind.MEMORY]
+    assert len(memory) == len(result.misfit_plans) and all("short" in r.reason for r in memory)
+    (layout,) = [r for r in result.rejected if r.kind is RejectionKind.LAYOUT]
+    assert layout.plan == "dp=8,tp=1,pp=1" and layout.reason == "dp(8) does not divide the global batch size 12"
+    assert layout.to_dict() == {"plan": "dp=8,tp=1,pp=1", "kind": "layout", "reason": layout.reason}
+    assert all(r.to_dict()["kind"] == r.kind.value for r in result.rejected)
+
+
+def test_rejection_kind_is_exported_and_required():
+    """RejectionKind is public API; a Rejection cannot be made without one."""
+    import lightning_fleet.planning as planning
+    from lightning_fleet.planning.search import Rejection
+
+    assert planning.RejectionKind is RejectionKind and "RejectionKind" in planning.__all__
+    assert [k.value for k in RejectionKind] == ["layout", "memory", "slower"]
+    with pytest.raises(TypeError):
+        Rejection(plan="dp=1", reason="slower")  # type: ignore[call-arg]
 
 
 def test_heterogeneous_cluster_plans_on_the_slowest_device():

@@ -18,6 +18,8 @@ from lightning_fleet.planning import (
     model_presets,
 )
 
+pytestmark = pytest.mark.pure
+
 ISSUE_CLUSTER = """\
 name: dgx-a100-80gb
 nodes: 4

@@ -53,12 +53,13 @@ def one_line(err: pytest.ExceptionInfo) -> str:
     return message
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize(
     "name,check",
     [
-        ("fleet", lambda s: s.zero_stages == (0, 1, 2, 3) and not s.require_offload),
-        ("fleet_zero3", lambda s: s.zero_stages == (3,)),
-        ("fleet_offload", lambda s: s.require_offload),
+        ("fleet", lambda s: s.options.zero_stages == (0, 1, 2, 3) and not s.options.require_offload),
+        ("fleet_zero3", lambda s: s.options.zero_stages == (3,)),
+        ("fleet_offload", lambda s: s.options.require_offload),
     ],
 )
 def test_strategy_names_are_registered(name, check):
@@ -68,6 +69,7 @@ def test_strategy_names_are_registered(name, check):
     assert check(trainer.strategy)
 
 
+@pytest.mark.unit
 def test_import_is_light_and_registers_once_lightning_loads():
     """Importing lightning_fleet loads no torch or Lightning; the names appear once Lightning is imported."""
     import subprocess
@@ -82,6 +84,7 @@ def test_import_is_light_and_registers_once_lightning_loads():
     assert done.returncode == 0, done.stderr[-2000:]
 
 
+@pytest.mark.unit
 def test_trained_plan_is_exposed_on_the_strategy():
     """trainer.strategy.plan is the Plan object that was trained; str() gives the plan string."""
     trainer = fit(lightning_fleet.FleetStrategy(plan="dp=1,zero=1,mbs=2", cluster="cpu" if False else None, global_batch_size=4))
@@ -89,6 +92,7 @@ def test_trained_plan_is_exposed_on_the_strategy():
     assert trainer.strategy.estimate.fits and trainer.global_step == 1
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     "kwargs,module,error,message",
     [
@@ -110,6 +114,7 @@ def test_bad_input_is_one_clear_error(kwargs, module, error, message):
     assert message in one_line(err)
 
 
+@pytest.mark.unit
 def test_model_that_fits_nowhere(tmp_path):
     """A cluster too small for the model: the error names the need, the closest plan and the remedies."""
     tiny = tmp_path / "tiny.yaml"
@@ -125,6 +130,7 @@ def test_model_that_fits_nowhere(tmp_path):
     assert "needs" in message and "with the closest plan (dp=1" in message and "add devices" in message
 
 
+@pytest.mark.unit
 def test_trainer_gradient_accumulation_is_refused():
     """The plan owns gradient accumulation; Trainer(accumulate_grad_batches=2) says what to use instead."""
     with pytest.raises(FleetError) as err:
@@ -132,23 +138,25 @@ def test_trainer_gradient_accumulation_is_refused():
     assert "pass FleetStrategy(global_batch_size=...) instead" in one_line(err)
 
 
+@pytest.mark.pure
 def test_bad_global_batch_size():
     """A non-positive global batch size is refused at construction."""
     with pytest.raises(FleetError, match="global_batch_size=0"):
         lightning_fleet.FleetStrategy(global_batch_size=0)
 
 
+@pytest.mark.unit
 def test_tensor_parallel_checkpoint_at_another_world_is_refused(tmp_path):
     """Resharding covers data-parallel checkpoints (ZeRO 0-3); a verified tp=2 one resumed on 1 process: one clear line."""
-    import json
-
-    from lightning_fleet.elastic.checkpoint import LATEST, MANIFEST, build_manifest
+    from lightning_fleet.elastic.checkpoint import file_table
+    from lightning_fleet.elastic.layout import LATEST, MANIFEST, Manifest, state_dir
 
     step = tmp_path / "ckpt" / "step-000000002"
-    (step / "state").mkdir(parents=True)
-    (step / "state" / "placeholder").write_text("shards of a tp=2 job")
-    meta = {"step": 2, "world_size": 2, "global_batch_size": 4, "plan": "dp=1,tp=2,pp=1,zero=0,mbs=4,gas=1,recompute=none,sp=false,vpp=1,offload=none"}
-    (step / MANIFEST).write_text(json.dumps(build_manifest(step, meta)))
+    state_dir(step).mkdir(parents=True)
+    (state_dir(step) / "placeholder").write_text("shards of a tp=2 job")
+    plan = "dp=1,tp=2,pp=1,zero=0,mbs=4,gas=1,recompute=none,sp=false,vpp=1,offload=none"
+    meta = Manifest(step=2, world_size=2, global_batch_size=4, plan=plan, model=None, data_seed=None, files=file_table(step))
+    (step / MANIFEST).write_text(meta.to_json())
     (tmp_path / "ckpt" / LATEST).write_text(step.name)
     with pytest.raises(FleetError) as err:
         fit(lightning_fleet.FleetStrategy(checkpoint_dir=str(tmp_path / "ckpt")))
@@ -178,6 +186,7 @@ class TwoOptimizers(Manual):
         return torch.optim.SGD(self.emb.parameters(), lr=0.1), torch.optim.SGD(self.out.parameters(), lr=0.1)
 
 
+@pytest.mark.unit
 def test_a_partial_plan_fixes_its_keys_and_the_planner_chooses_the_rest(capsys):
     """plan="dp=1,zero=1" no longer means mbs=1: the planner picks the micro-batch; the report says what was fixed."""
     trainer = fit(lightning_fleet.FleetStrategy(plan="dp=1,zero=1", global_batch_size=8))
@@ -186,36 +195,42 @@ def test_a_partial_plan_fixes_its_keys_and_the_planner_chooses_the_rest(capsys):
     assert "fixed    dp=1,zero=1 (FleetStrategy(plan=...)); the planner chose the rest" in capsys.readouterr().out
 
 
+@pytest.mark.unit
 def test_micro_batch_size_is_kept(capsys):
     trainer = fit(lightning_fleet.FleetStrategy(micro_batch_size=2, global_batch_size=8))
     assert (trainer.strategy.plan.mbs, trainer.strategy.plan.gas) == (2, 4)
     assert "fixed    mbs=2 (FleetStrategy(micro_batch_size=...))" in capsys.readouterr().out
 
 
+@pytest.mark.unit
 def test_micro_batch_size_against_the_plan_string_is_one_line():
     with pytest.raises(PlanError) as err:
         fit(lightning_fleet.FleetStrategy(plan="mbs=4", micro_batch_size=2, global_batch_size=8))
     assert "already fixes mbs=4; it cannot also be 2" in one_line(err)
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("bad", [0, -1, 2.5, True])
 def test_bad_micro_batch_size(bad):
     with pytest.raises(FleetError, match="micro_batch_size"):
         lightning_fleet.FleetStrategy(micro_batch_size=bad)
 
 
+@pytest.mark.unit
 def test_manual_optimization_trains_one_micro_batch_per_step(capsys):
     trainer = fit(lightning_fleet.FleetStrategy(global_batch_size=4), Manual())
     assert trainer.strategy.plan.gas == 1 and trainer.global_step == 1
     assert "fixed    gas=1, no pipeline: manual optimization steps once per training_step" in capsys.readouterr().out
 
 
+@pytest.mark.unit
 def test_manual_optimization_refuses_a_pipeline_in_one_line():
     with pytest.raises(FleetError) as err:
         fit(lightning_fleet.FleetStrategy(plan="dp=1,pp=2"), Manual())
     assert "Manual optimizes manually, and a pipeline runs forward, backward and step itself: use pp=1" in one_line(err)
 
 
+@pytest.mark.unit
 def test_several_optimizers_are_refused_before_training():
     module = TwoOptimizers()
     before = [p.detach().clone() for p in module.parameters()]
@@ -225,12 +240,14 @@ def test_several_optimizers_are_refused_before_training():
     assert all(torch.equal(a, b) for a, b in zip(before, module.parameters()))
 
 
+@pytest.mark.unit
 def test_reloading_dataloaders_is_refused_in_one_line():
     with pytest.raises(FleetError) as err:
         fit("fleet", reload_dataloaders_every_n_epochs=1)
     assert "reads the training data once at setup" in one_line(err)
 
 
+@pytest.mark.unit
 def test_the_module_is_handed_back_plain_unless_asked_not_to():
     """ZeRO-3 partitions the module's parameters; at the end of fit they are ordinary tensors again (hand_back=True)."""
     module = GPT(num_layers=2, hidden_size=32, num_heads=4, seq_length=32)
@@ -243,6 +260,7 @@ def test_the_module_is_handed_back_plain_unless_asked_not_to():
     assert all(hasattr(p, "ds_id") for p in kept.parameters())
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("after_fit", [True, False])
 def test_bf16_true_evaluates(after_fit):
     """validate() in bf16-true on float inputs, after a fit and on a fresh fp32 module (converted as Lightning's plugin does)."""

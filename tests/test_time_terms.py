@@ -28,6 +28,8 @@ from lightning_fleet.planning.time import (
     tp_comm_s,
 )
 
+pytestmark = pytest.mark.pure
+
 REL = 1e-9
 LINK = LinkSpec(bandwidth_GBps=100, latency_us=5)  # alpha = 5e-6 s, beta = 1e-11 s/B
 
@@ -488,3 +490,20 @@ def test_time_estimate_steps_only_the_trainable_parameters() -> None:
     hw = Hardware.of(make_cluster(devices_per_node=2), model)
     plan = Plan(dp=2, zero=1, mbs=4, gas=1)
     assert time_estimate(model, hw, plan).optimizer_s == pytest.approx(300 / 2 / hw.calibration.adam_params_per_s, rel=REL)
+
+
+def test_axis_links_follow_the_placement() -> None:
+    """Hardware.links on two 8-device nodes, dp=2, tp=4, pp=2: order tp-dp-pp keeps tp (span 4) and dp (span 4 x 2 = 8)
+    in a node and sends pp (span 8 x 2 = 16) across; pp-dp-tp keeps pp (span 2) and dp (span 2 x 2 = 4) in, tp (span
+    4 x 4 = 16) across. Placements are told apart by which link object each axis uses."""
+    from lightning_fleet.planning.estimate import Hardware
+    from lightning_fleet.planning.plan import Plan
+    from tests.conftest import make_cluster, make_model
+
+    hw = Hardware.of(make_cluster(nodes=2, devices_per_node=8), make_model())
+    intra, inter = hw.intra_node, hw.inter_node
+    default = hw.links(Plan(dp=2, tp=4, pp=2))
+    assert (default.dp, default.tp, default.pp) == (intra, intra, inter) and default.pp is inter and default.tp is intra
+    other = hw.links(Plan(dp=2, tp=4, pp=2, order=("pp", "dp", "tp")))
+    assert other.pp is intra and other.dp is intra and other.tp is inter
+    assert default.identity() == (id(intra), id(intra), id(inter)) != other.identity()

@@ -88,6 +88,7 @@ def restarts_seen(tmp: Path) -> set[int]:
 # --- restarts ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.elastic
 def test_five_kills_in_one_plain_c10d_job_lose_nothing(tmp_path):
     """torchrun --rdzv-backend=c10d --max-restarts=5, shared store: 5 kills in a row, 5 restarts, the reference's weights."""
     cmd = [*TORCHRUN, "--nproc-per-node=2", "--max-restarts=5", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
@@ -100,6 +101,7 @@ def test_five_kills_in_one_plain_c10d_job_lose_nothing(tmp_path):
     assert_nothing_lost(tmp_path, 16)
 
 
+@pytest.mark.elastic
 def test_static_launch_restarts_after_a_kill(tmp_path):
     """torchrun's static rendezvous (no --rdzv-* flags: the agent's store at --master-port is the workers'), one kill."""
     cmd = [*TORCHRUN, "--nproc-per-node=2", "--max-restarts=1", "--master-addr=127.0.0.1", f"--master-port={free_port()}",
@@ -142,6 +144,7 @@ def shared(stores: dict[int, object], world: int) -> bool:
     return all(stores[0].check([f"hello-{r}"]) for r in range(world))  # type: ignore[union-attr]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("old_world, rank_zero_died", [(3, False), (2, False), (3, True)])
 def test_attempt_store_ignores_what_earlier_attempts_left(old_world, rank_zero_died):
     """A finished attempt (same or other world size), perhaps followed by one whose rank 0 died waiting for its peers: the
@@ -177,11 +180,13 @@ HOOKED = (
 )
 
 
+@pytest.mark.unit
 def test_rank_zero_prints_one_line_and_exits_2():
     done = run_script(HOOKED + "raise FleetError('bad plan\\nsecond line')", {"RANK": "0"})
     assert (done.returncode, done.stderr, done.stdout) == (2, "lightning_fleet: error: bad plan second line\n", "")
 
 
+@pytest.mark.unit
 def test_other_rank_is_quiet_while_rank_zero_ends_the_job_and_speaks_up_when_it_does_not():
     """A rank other than 0 waits for the job to end around it; when nobody ends it, rank 0 had no such error: say it."""
     started = time.monotonic()
@@ -190,6 +195,7 @@ def test_other_rank_is_quiet_while_rank_zero_ends_the_job_and_speaks_up_when_it_
     assert time.monotonic() - started < 20
 
 
+@pytest.mark.unit
 def test_other_exceptions_keep_their_traceback_and_hooks_chain():
     """Non-FleetErrors reach the hook installed before ours; installing twice changes nothing; a hook installed after
     ours (like init_process_group's stderr-buffering one) is wrapped again so that the line is not swallowed."""
@@ -209,6 +215,7 @@ def test_other_exceptions_keep_their_traceback_and_hooks_chain():
     assert (wrapped.returncode, wrapped.stderr) == (2, "lightning_fleet: error: seen\n")
 
 
+@pytest.mark.pure
 def test_which_fleet_errors_are_deterministic():
     """The planning core's verdicts by type, others when marked (also inside deterministic_errors()); marks survive pickling."""
     import pickle
@@ -223,6 +230,7 @@ def test_which_fleet_errors_are_deterministic():
     assert worker.is_deterministic(err.value) and worker.is_deterministic(pickle.loads(pickle.dumps(err.value)))
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize(
     "shared, argv, expected",
     [
@@ -251,6 +259,7 @@ def error_lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if "lightning_fleet: error:" in line]
 
 
+@pytest.mark.multiprocess
 def test_bad_plan_under_lightnings_launcher_is_one_line(tmp_path):
     """Trainer(devices=2) (Lightning's subprocess launcher): rank 0 prints the line, rank 1 nothing; exit code 2."""
     env = {**plain_env(tmp_path), "MASTER_PORT": str(free_port())}
@@ -263,6 +272,7 @@ def test_bad_plan_under_lightnings_launcher_is_one_line(tmp_path):
     assert sorted((tmp_path / "starts.txt").read_text().split("\n")[:-1]) == ["0 0", "1 0"]
 
 
+@pytest.mark.multiprocess
 def test_fleet_error_on_one_rank_only_is_still_reported(tmp_path):
     """Only rank 1 raises (rank 0 goes on into a collective): rank 1 speaks up after its grace period, the job ends."""
     env = {**plain_env(tmp_path), "MASTER_PORT": str(free_port())}
@@ -271,6 +281,7 @@ def test_fleet_error_on_one_rank_only_is_still_reported(tmp_path):
     assert error_lines(output(tmp_path, "err")) == ["lightning_fleet: error: rank 1: only rank 1 fails"], output(tmp_path)[-3000:]
 
 
+@pytest.mark.elastic
 def test_deterministic_error_ends_a_plain_torchrun_job_at_once(tmp_path):
     """A bad plan under --max-restarts=3: one attempt (not 4), one error line, no worker traceback; rank 0's local agent is
     stopped by its worker (torchrun then reports its SignalException and exits 1)."""
@@ -287,6 +298,7 @@ def test_deterministic_error_ends_a_plain_torchrun_job_at_once(tmp_path):
     assert elapsed < 90
 
 
+@pytest.mark.elastic
 def test_a_checkpoint_of_another_job_ends_the_job_at_once(tmp_path):
     """A changed data-order seed against a checkpoint dir of the same model: refused in one line, in one attempt, not
     retried --max-restarts times (each retry would refuse it again)."""
@@ -305,6 +317,7 @@ def test_a_checkpoint_of_another_job_ends_the_job_at_once(tmp_path):
     assert sorted((tmp_path / "starts.txt").read_text().split("\n")[:-1]) == ["0 0", "1 0"]  # one attempt
 
 
+@pytest.mark.elastic
 def test_deterministic_error_under_fleet_launch_exits_2(tmp_path):
     """The same through fleet launch: exit code 2 and no line of the launcher's own."""
     cmd = [sys.executable, "-m", "lightning_fleet", "launch", "--nproc-per-node=2", "--max-restarts=3", str(FAILING),
@@ -319,6 +332,7 @@ def test_deterministic_error_under_fleet_launch_exits_2(tmp_path):
 # --- fleet launch --help and bad values -------------------------------------------------------------------
 
 
+@pytest.mark.pure
 def test_fleet_launch_help_prints_torchruns_help_and_the_defaults(capsys):
     assert main(["launch", "--help"]) == 0
     out = capsys.readouterr().out
@@ -327,6 +341,7 @@ def test_fleet_launch_help_prints_torchruns_help_and_the_defaults(capsys):
     assert "usage: fleet launch" in out and "--max-restarts" in out and "--rdzv-endpoint" in out
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize(
     "argv, message",
     [

@@ -16,6 +16,8 @@ import torch
 from tests.multiprocess import run_worker
 from tests.reference import reference_run
 
+pytestmark = pytest.mark.multiprocess
+
 STEPS, GBS = 6, 8
 PLANS = [
     "dp=2,zero=0",

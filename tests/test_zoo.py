@@ -32,7 +32,7 @@ NAMES = sorted(CASES)
 PLANS = {"auto": "auto", "zero3": "zero=3"}
 
 
-pytestmark = pytest.mark.usefixtures("restore_environment")  # in-process Trainers change os.environ
+pytestmark = [pytest.mark.multiprocess, pytest.mark.usefixtures("restore_environment")]  # in-process Trainers change os.environ
 
 
 def train_loader(data: dict):

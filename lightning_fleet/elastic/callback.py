@@ -4,11 +4,13 @@ Saves every ``every_n_steps`` optimizer steps and/or every ``every_n_seconds`` (
 on SIGTERM, and at the end of training. One small all-reduce per step makes every rank agree on
 whether to save or stop at this step, so a SIGTERM delivered to a single rank (a preempted node)
 stops all ranks at the same step with one consistent checkpoint, and the job exits cleanly.
+
+Imports torch and Lightning; imported by the strategy (which attaches it for ``checkpoint_dir``) and by users. What
+it writes where is described in :mod:`lightning_fleet.elastic.layout`.
 """
 
 from __future__ import annotations
 
-import json
 import shutil
 import signal
 import time
@@ -19,17 +21,8 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback
 
-from lightning_fleet.elastic.checkpoint import (
-    LATEST,
-    MANIFEST,
-    build_manifest,
-    fsync_path,
-    fsync_tree,
-    prune,
-    remove_abandoned,
-    step_dir_name,
-    write_atomic,
-)
+from lightning_fleet.elastic.checkpoint import file_table, fsync_path, fsync_tree, prune, remove_abandoned, write_atomic
+from lightning_fleet.elastic.layout import LATEST, MANIFEST, Manifest, rank_file, state_dir, step_dir_name, tmp_name
 from lightning_fleet.planning import FleetError
 from lightning_fleet.rng import RngState
 
@@ -115,15 +108,15 @@ class FleetCheckpoint(Callback):
             return None
         started = time.perf_counter()
         final = self.dirpath / step_dir_name(step)
-        tmp = self.dirpath / f".tmp-{final.name}"
+        tmp = self.dirpath / tmp_name(final.name)
         strategy = trainer.strategy
         if trainer.is_global_zero:
             self.dirpath.mkdir(parents=True, exist_ok=True)
             remove_abandoned(self.dirpath)
             tmp.mkdir()
         strategy.barrier("fleet-checkpoint-start")
-        trainer.save_checkpoint(tmp / "state", weights_only=False)  # a full, resumable checkpoint
-        torch.save(RngState.capture().to_checkpoint(), tmp / f"rank-{trainer.global_rank:05d}.pt")
+        trainer.save_checkpoint(state_dir(tmp), weights_only=False)  # a full, resumable checkpoint
+        torch.save(RngState.capture().to_checkpoint(), rank_file(tmp, trainer.global_rank))
         fsync_tree(tmp)
         strategy.barrier("fleet-checkpoint-written")
         if trainer.is_global_zero:
@@ -137,21 +130,27 @@ class FleetCheckpoint(Callback):
 
     def _commit(self, trainer: Any, tmp: Path, final: Path) -> None:
         """Rank 0: manifest last, rename into place, then move ``latest`` and prune."""
-        plan = getattr(trainer.strategy, "plan", None)
-        meta = {
-            "format": 1,
-            "step": trainer.global_step,
-            "world_size": trainer.world_size,
-            "plan": str(plan) if plan is not None else None,
-            "global_batch_size": plan.global_batch_size if plan is not None else None,
-        }
-        facts = getattr(trainer.strategy, "checkpoint_facts", None)
-        if callable(facts):  # what a resume must keep: model structure, data-order seed (elastic/compatibility.py)
-            meta.update({k: v for k, v in facts().items() if k != "global_batch_size"})
-        write_atomic(tmp / MANIFEST, json.dumps(build_manifest(tmp, meta), indent=1, sort_keys=True))
+        write_atomic(tmp / MANIFEST, self._manifest(trainer, tmp).to_json())
         if final.exists():  # left by a save that renamed but died before moving `latest`: same step, replace it
             shutil.rmtree(final)
         tmp.rename(final)
         fsync_path(final.parent)
         write_atomic(self.dirpath / LATEST, final.name)
         prune(self.dirpath, self.keep, protect=[final])
+
+    @staticmethod
+    def _manifest(trainer: Any, tmp: Path) -> Manifest:
+        """The manifest of the save in ``tmp``: its step, world and plan, what a resume must keep (model structure and
+        data-order seed, from the strategy's ``checkpoint_facts()``: elastic/compatibility.py) and every file's hash."""
+        plan = getattr(trainer.strategy, "plan", None)
+        facts = getattr(trainer.strategy, "checkpoint_facts", None)
+        job = facts() if callable(facts) else None
+        return Manifest(
+            step=trainer.global_step,
+            world_size=trainer.world_size,
+            plan=str(plan) if plan is not None else None,
+            global_batch_size=plan.global_batch_size if plan is not None else None,
+            model=job.model if job is not None else None,
+            data_seed=job.data_seed if job is not None else None,
+            files=file_table(tmp),
+        )

@@ -1,25 +1,23 @@
-"""Atomic, verified checkpoints, and the choice of the newest good one to resume from.
+"""Atomic saves and commits of FleetCheckpoint checkpoints, the choice of the newest good one, and the pickle screen.
 
-Layout under ``dirpath``::
-
-    step-000000012/           a committed checkpoint
-        state/                DeepSpeed's sharded checkpoint (+ Lightning's loop/callback state)
-        rank-00000.pt ...     each rank's RNG states (plain tensors and numbers only)
-        manifest.json         written last, by rank 0: step, world, plan, every file's size and sha256
-    .tmp-step-000000015/      a save in progress (never resumed from; removed by the next save)
-    latest                    the name of the newest committed checkpoint (a hint, never trusted)
+Pure: imports neither torch nor deepspeed (pickles are screened with pickletools, never unpickled); imported by
+elastic/callback.py (saving), the strategy and the decision (resuming), export and the DeepSpeed runtime. Every name
+and path of the layout, the typed manifest and :func:`~lightning_fleet.elastic.layout.verify` live in
+:mod:`lightning_fleet.elastic.layout`.
 
 A save goes to the temporary directory; every rank fsyncs what it wrote; after a barrier rank 0
 hashes every file into the manifest, fsyncs it, renames the directory into place, fsyncs the
 parent, and only then moves ``latest`` and prunes beyond ``keep``. A checkpoint counts only if
 its manifest verifies: a torn save (no manifest), a truncated or bit-flipped or missing shard
-(size or hash mismatch) is named and skipped for the previous good one.
+(size or hash mismatch), a malformed manifest is named and skipped for the previous good one.
+
+Reading a checkpoint once: :func:`newest_verified` (or ``layout.verify``) hashes every file once and returns a
+:class:`~lightning_fleet.elastic.layout.Verdict` carrying the typed manifest; :func:`accept` turns an ok verdict into a
+:class:`VerifiedCheckpoint` after screening its pickles, without hashing again.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import pickletools
 import re
@@ -29,25 +27,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
+from lightning_fleet.elastic.layout import (
+    ABANDONED_GLOB,
+    LATEST,
+    MANIFEST,
+    SET_ASIDE,
+    FileEntry,
+    Manifest,
+    Verdict,
+    entry_of,
+    step_of,
+    verify,
+)
 from lightning_fleet.planning import FleetError
-
-MANIFEST = "manifest.json"
-LATEST = "latest"
-_STEP_DIR = re.compile(r"^step-(\d{9})$")
-
-
-def step_dir_name(step: int) -> str:
-    """Directory name of the checkpoint taken after ``step`` optimizer steps."""
-    return f"step-{step:09d}"
-
-
-def sha256_of(path: Path) -> str:
-    """Hex sha256 of a file, read in 4 MiB chunks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(4 * 1024 * 1024), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def fsync_path(path: Path) -> None:
@@ -82,54 +74,17 @@ def files_of(root: Path) -> list[Path]:
     return sorted(p for p in root.rglob("*") if p.is_file() and p.name != MANIFEST)
 
 
-def build_manifest(root: Path, meta: dict) -> dict:
-    """Sizes and hashes of every file of a checkpoint directory, plus ``meta``."""
-    files = {str(p.relative_to(root)): {"bytes": p.stat().st_size, "sha256": sha256_of(p)} for p in files_of(root)}
-    return {**meta, "files": files}
-
-
-@dataclass(frozen=True, slots=True)
-class Verdict:
-    """Whether a checkpoint directory can be resumed from, and if not, why."""
-
-    path: Path
-    """The checkpoint directory."""
-    ok: bool
-    """Every file the manifest lists is there with its size and hash."""
-    reason: str
-    """Why it cannot be used ('' when ok)."""
-    manifest: dict | None
-    """The parsed manifest (None when missing or unreadable)."""
-
-
-def verify(root: Path) -> Verdict:
-    """Check a checkpoint directory against its manifest; name the first problem."""
-    manifest_path = root / MANIFEST
-    if not manifest_path.is_file():
-        return Verdict(root, False, "no manifest (the save did not finish)", None)
-    try:
-        manifest = json.loads(manifest_path.read_text())
-        files = manifest["files"]
-    except (ValueError, KeyError, TypeError):
-        return Verdict(root, False, "manifest is not valid JSON with a 'files' table", None)
-    for name, entry in files.items():
-        path = root / name
-        if not path.is_file():
-            return Verdict(root, False, f"file {name} is missing", manifest)
-        size = path.stat().st_size
-        if size != entry["bytes"]:
-            return Verdict(root, False, f"file {name} has {size} bytes, the manifest says {entry['bytes']} (truncated or overwritten)", manifest)
-        if sha256_of(path) != entry["sha256"]:
-            return Verdict(root, False, f"file {name} does not match its sha256 (corrupted)", manifest)
-    return Verdict(root, True, "", manifest)
+def file_table(root: Path) -> dict[str, FileEntry]:
+    """The manifest's ``files``: size and sha256 of every file of a checkpoint directory, by relative path."""
+    return {p.relative_to(root).as_posix(): entry_of(p) for p in files_of(root)}
 
 
 def committed(dirpath: Path) -> list[Path]:
     """Committed checkpoint directories (named step-N), newest first; nothing is verified here."""
     if not dirpath.is_dir():
         return []
-    found = [p for p in dirpath.iterdir() if p.is_dir() and _STEP_DIR.match(p.name)]
-    return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)), reverse=True)
+    found = [p for p in dirpath.iterdir() if p.is_dir() and step_of(p.name) is not None]
+    return sorted(found, key=lambda p: step_of(p.name) or 0, reverse=True)
 
 
 def newest_verified(dirpath: Path, log: Callable[[str], None] = print) -> Verdict | None:
@@ -150,15 +105,11 @@ def newest_verified(dirpath: Path, log: Callable[[str], None] = print) -> Verdic
 
 
 def prune(dirpath: Path, keep: int, protect: Iterable[Path]) -> None:
-    """Remove committed checkpoints beyond the newest ``keep`` and abandoned temporary saves."""
+    """Remove committed checkpoints beyond the newest ``keep``, except the ``protect``ed ones."""
     protected = {p.resolve() for p in protect}
     for old in committed(dirpath)[keep:]:
         if old.resolve() not in protected:
             shutil.rmtree(old, ignore_errors=True)
-
-
-SET_ASIDE = "set-aside"
-"""Subdirectory of a checkpoint dir that holds checkpoints moved out of the way (never resumed, never pruned)."""
 
 
 def set_aside(dirpath: Path, checkpoint: Path) -> Path:
@@ -179,7 +130,7 @@ def set_aside(dirpath: Path, checkpoint: Path) -> Path:
 def remove_abandoned(dirpath: Path) -> None:
     """Delete temporary directories of saves that never committed."""
     if dirpath.is_dir():
-        for tmp in dirpath.glob(".tmp-step-*"):
+        for tmp in dirpath.glob(ABANDONED_GLOB):
             shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -247,3 +198,22 @@ def refuse_unsafe_pickles(root: Path) -> None:
         unsafe = sorted(g for g in imports if g not in SAFE_GLOBALS and not _SAFE_PATTERN.match(g))
         if unsafe:
             raise FleetError(f"checkpoint file {path} would import {', '.join(unsafe)} when loaded; refusing it (the payload was not run)")
+
+
+@dataclass(frozen=True, slots=True)
+class VerifiedCheckpoint:
+    """A committed checkpoint whose files matched its manifest and whose pickles were screened: safe to load."""
+
+    path: Path
+    """The step directory."""
+    manifest: Manifest
+    """Its typed manifest, as read by the verification."""
+
+
+def accept(verdict: Verdict) -> VerifiedCheckpoint:
+    """An ok verdict's checkpoint after screening its pickles (no file is hashed again); FleetError naming the reason
+    for a verdict that is not ok, or the first pickle that would import a global outside the allowlist."""
+    if not verdict.ok or verdict.manifest is None:
+        raise FleetError(f"checkpoint {verdict.path} cannot be used: {verdict.reason}")
+    refuse_unsafe_pickles(verdict.path)
+    return VerifiedCheckpoint(verdict.path, verdict.manifest)

@@ -58,10 +58,7 @@ def mirrored() -> dict[str, Path]:
         _module_name(p): p for p in PACKAGE_ROOT.rglob("*.py") if "pl" not in p.relative_to(PACKAGE_ROOT).parts[:1]
     }
     imports = {name: _imports(path) for name, path in sources.items()}
-    chosen = {
-        name for name, found in imports.items()
-        if any(_LIGHTNING_IMPORT.match(i) for i in found) and name != "lightning_fleet.registration"
-    }
+    chosen = {name for name, found in imports.items() if any(_LIGHTNING_IMPORT.match(i) for i in found)}
     grew = True
     while grew:  # close over "imports a mirrored module"
         grew = False

@@ -33,8 +33,8 @@ from lightning_fleet.planning.model import (
     model_presets,
     transformer_model,
 )
-from lightning_fleet.planning.plan import Axis, Offload, PartialPlan, Plan, Recompute, parse_partial_plan, parse_plan
-from lightning_fleet.planning.search import Constraints, PlanResult, Rejection, narrow
+from lightning_fleet.planning.plan import Axis, Coordinates, Offload, PartialPlan, Plan, Recompute, parse_partial_plan, parse_plan
+from lightning_fleet.planning.search import Constraints, PlanResult, Rejection, RejectionKind, narrow
 from lightning_fleet.planning.search import plan  # bound last: the function, not the plan module
 
 __all__ = [
@@ -43,6 +43,7 @@ __all__ = [
     "Calibration",
     "ClusterSpec",
     "Constraints",
+    "Coordinates",
     "DeviceGroup",
     "DeviceSpec",
     "Estimate",
@@ -60,6 +61,7 @@ __all__ = [
     "Precision",
     "Recompute",
     "Rejection",
+    "RejectionKind",
     "Role",
     "SpecError",
     "TransformerSpec",

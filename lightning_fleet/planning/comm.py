@@ -3,6 +3,8 @@
 Ring algorithms (Thakur, Rabenseifner & Gropp 2005, "Optimization of Collective Communication
 Operations in MPICH"; the same terms alpa's LogicalDeviceMesh uses). ``nbytes`` is always the
 full (unsharded) message size; ``n`` the group size; a group of one costs nothing.
+
+Pure: imports neither torch nor deepspeed; imported by the estimate and the search.
 """
 
 from __future__ import annotations
@@ -35,18 +37,9 @@ def p2p_s(nbytes: float, link: LinkSpec) -> float:
     return link.alpha_s + nbytes * link.beta_s_per_byte
 
 
-def axis_stride(plan: Plan, axis: Axis) -> int:
-    """Rank distance between neighbours on ``axis``: the product of the axes placed inside it."""
-    stride = 1
-    for inner in plan.order:
-        if inner is axis:
-            return stride
-        stride *= getattr(plan, inner.value)
-    raise AssertionError(axis)
-
-
 def axis_level(plan: Plan, axis: Axis, devices_per_node: int) -> LinkLevel:
-    """Intra-node when the axis' whole group spans at most one node's consecutive ranks, else inter-node."""
-    span = axis_stride(plan, axis) * getattr(plan, axis.value)
+    """Intra-node when the axis' whole group spans at most one node's consecutive ranks (:meth:`Plan.stride` times its
+    degree), else inter-node."""
+    span = plan.stride(axis) * getattr(plan, axis.value)
     return LinkLevel.INTRA if span <= devices_per_node else LinkLevel.INTER
 

@@ -1,4 +1,11 @@
-"""Estimate one plan: per-device memory by term, step time by term, throughput."""
+"""Estimate one plan: per-device memory by term, step time by term, throughput.
+
+The terms come from :mod:`memory`, :mod:`time` and :mod:`comm`; this module adds them up per pipeline stage and
+keeps the pieces many plans of one search share (:class:`TimeModel`, :class:`ActivationModel`). Intermediate results
+travel as named records (:class:`StateBytes`, :class:`AxisLinks`, :class:`StageTime`).
+
+Pure: imports neither torch nor deepspeed; imported by the search, the CLI, plotting, the strategy and benchmarks.
+"""
 
 from __future__ import annotations
 
@@ -66,24 +73,97 @@ class Hardware:
         """The link an axis' collectives run on under the plan's placement."""
         return self.intra_node if axis_level(plan, axis, self.devices_per_node) is LinkLevel.INTRA else self.inter_node
 
+    def links(self, plan: Plan) -> "AxisLinks":
+        """The links of all three axes under the plan's placement."""
+        return AxisLinks(dp=self.link(plan, Axis.DP), tp=self.link(plan, Axis.TP), pp=self.link(plan, Axis.PP))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AxisLinks:
+    """The link each axis' collectives run on under one placement: :attr:`Hardware.intra_node` or :attr:`Hardware.inter_node`."""
+
+    dp: LinkSpec
+    """Data parallel: gradient all-reduce, ZeRO reduce-scatter and all-gather."""
+    tp: LinkSpec
+    """Tensor parallel: the all-reduces (or all-gathers and reduce-scatters with sp) inside each layer."""
+    pp: LinkSpec
+    """Pipeline: activations and gradients sent between neighbouring stages."""
+
+    def identity(self) -> tuple[int, int, int]:
+        """Which of the hardware's link objects the dp, tp and pp axes use: placements with the same identity price the same."""
+        return (id(self.dp), id(self.tp), id(self.pp))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StageTime:
+    """One micro-batch on one device of a pipeline stage, by term: the slowest stage paces the pipeline."""
+
+    microbatch_s: float
+    """compute_s + tp_comm_s + pp_comm_s, summed in that order."""
+    compute_s: float
+    """Forward and backward with recomputation, summed (:func:`time.forward_s`, :func:`time.backward_s`,
+    :func:`time.recompute_s`)."""
+    tp_comm_s: float
+    """Tensor-parallel communication (:func:`time.tp_comm_s`)."""
+    pp_comm_s: float
+    """Sends to and from the neighbouring stages (:func:`time.pp_comm_s`)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StateBytes:
+    """Everything but activations on one device of a pipeline stage, by term (what :func:`stage_state_bytes` returns).
+
+    It does not depend on the micro-batch size, gas, sp, vpp or recomputation, so the search keeps one per (layout,
+    ZeRO stage, offload mode) and stage, and adds each micro-batch's activations with :meth:`with_activations`.
+    """
+
+    params_bytes: float
+    """Working weights on the device (:func:`memory.params_bytes`)."""
+    grads_bytes: float
+    """Gradients of the trainable parameters on the device (:func:`memory.grads_bytes`)."""
+    optimizer_bytes: float
+    """Optimizer states of the trainable parameters on the device (:func:`memory.optimizer_bytes`)."""
+    other_bytes: float
+    """Communication buffers, the ZeRO-3 gather of the largest block and the framework reserve, summed in that order."""
+    host_bytes: float
+    """Host memory this device's offloaded states take (:func:`memory.host_bytes`); 0 without offload."""
+
+    @property
+    def device_bytes(self) -> float:
+        """params + grads + optimizer + other on the device, summed in that order (the bytes next to the activations)."""
+        return self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.other_bytes
+
+    def with_activations(self, activations_bytes: float, hw: Hardware, stage: int) -> mem.MemoryEstimate:
+        """The memory of the device of pipeline stage ``stage`` that holds these bytes and ``activations_bytes``."""
+        return mem.MemoryEstimate(
+            params_bytes=self.params_bytes,
+            grads_bytes=self.grads_bytes,
+            optimizer_bytes=self.optimizer_bytes,
+            activations_bytes=activations_bytes,
+            other_bytes=self.other_bytes,
+            limit_bytes=hw.memory_bytes,
+            host_bytes=self.host_bytes,
+            host_limit_bytes=hw.host_bytes_per_device,
+            stage=stage,
+        )
+
 
 def stage_state_bytes(
     model: ModelSpec, hw: Hardware, load: StageLoad, *, tp: int, dp: int, zero: int, offload: Offload
-) -> tuple[float, float, float, float, float]:
-    """Everything but activations on one device of a stage: (params, grads, optimizer, other, host) bytes; gradients and
-    optimizer states for its trainable parameters only."""
+) -> StateBytes:
+    """Everything but activations on one device of a stage; gradients and optimizer states for its trainable parameters only."""
     n, t, p = load.params, load.trainable_params, model.precision
     other = (
         mem.comm_buffer_bytes(n, tp=tp, dp=dp, zero=zero, precision=p)
         + mem.zero3_gather_bytes(load.largest_block_params, tp=tp, zero=zero, precision=p)
         + mem.reserve_bytes(hw.memory_bytes, hw.calibration)
     )
-    return (
-        mem.params_bytes(n, tp=tp, dp=dp, zero=zero, offload=offload, precision=p),
-        mem.grads_bytes(t, tp=tp, dp=dp, zero=zero, precision=p),
-        mem.optimizer_bytes(t, tp=tp, dp=dp, zero=zero, offload=offload, precision=p),
-        other,
-        mem.host_bytes(n, tp=tp, dp=dp, offload=offload, precision=p, trainable=t),
+    return StateBytes(
+        params_bytes=mem.params_bytes(n, tp=tp, dp=dp, zero=zero, offload=offload, precision=p),
+        grads_bytes=mem.grads_bytes(t, tp=tp, dp=dp, zero=zero, precision=p),
+        optimizer_bytes=mem.optimizer_bytes(t, tp=tp, dp=dp, zero=zero, offload=offload, precision=p),
+        other_bytes=other,
+        host_bytes=mem.host_bytes(n, tp=tp, dp=dp, offload=offload, precision=p, trainable=t),
     )
 
 
@@ -140,20 +220,8 @@ class ActivationModel:
 
 def stage_memory(model: ModelSpec, hw: Hardware, plan: Plan, load: StageLoad) -> mem.MemoryEstimate:
     """Memory of one device of one pipeline stage."""
-    params, grads, optimizer, other, host = stage_state_bytes(
-        model, hw, load, tp=plan.tp, dp=plan.dp, zero=plan.zero, offload=plan.offload
-    )
-    return mem.MemoryEstimate(
-        params_bytes=params,
-        grads_bytes=grads,
-        optimizer_bytes=optimizer,
-        activations_bytes=stage_activation_bytes(load, plan, plan.recompute),
-        other_bytes=other,
-        limit_bytes=hw.memory_bytes,
-        host_bytes=host,
-        host_limit_bytes=hw.host_bytes_per_device,
-        stage=load.index,
-    )
+    state = stage_state_bytes(model, hw, load, tp=plan.tp, dp=plan.dp, zero=plan.zero, offload=plan.offload)
+    return state.with_activations(stage_activation_bytes(load, plan, plan.recompute), hw, load.index)
 
 
 def memory_estimate(model: ModelSpec, hw: Hardware, plan: Plan) -> mem.MemoryEstimate:
@@ -196,10 +264,10 @@ class TimeModel:
         self._least_step_overhead_s = min(hw.calibration.step_overhead(zero) for zero in range(4))
         self._loads: dict[int, tuple[StageLoad, ...]] = {}
         self._rates: dict[tuple[int, int], float] = {}
-        self._links: dict[tuple[int, int, int, tuple[Axis, ...]], tuple[LinkSpec, LinkSpec, LinkSpec]] = {}
+        self._links: dict[tuple[int, int, int, tuple[Axis, ...]], AxisLinks] = {}
         self._fwd: dict[tuple[int, int, int, int], float] = {}
         self._compute: dict[tuple[int, int, int, int, Recompute], tuple[float, float]] = {}
-        self._slowest: dict[tuple[int, int, int, Recompute, bool, int, int, int], tuple[float, float, float, float]] = {}
+        self._slowest: dict[tuple[int, int, int, Recompute, bool, int, int, int], StageTime] = {}
         self._dp: dict[tuple[int, int, int, int, int, int, Recompute, int], float] = {}
         self._offload: dict[tuple[int, int, int, int, Offload], float] = {}
         self._optimizer: dict[tuple[int, int, int, int, Offload], float] = {}
@@ -218,13 +286,13 @@ class TimeModel:
             rate = self._rates[(mbs, tp)] = _matmul_rate(self.model, self.hw, mbs=mbs, tp=tp)
         return rate
 
-    def links(self, plan: Plan, order: tuple[Axis, ...]) -> tuple[LinkSpec, LinkSpec, LinkSpec]:
-        """The (dp, tp, pp) links of ``plan``'s layout placed in ``order``."""
+    def links(self, plan: Plan, order: tuple[Axis, ...]) -> AxisLinks:
+        """The links of ``plan``'s layout placed in ``order``."""
         key = (plan.dp, plan.tp, plan.pp, order)
         links = self._links.get(key)
         if links is None:
             placed = plan if order == plan.order else Plan(dp=plan.dp, tp=plan.tp, pp=plan.pp, order=order)
-            links = self._links[key] = (self.hw.link(placed, Axis.DP), self.hw.link(placed, Axis.TP), self.hw.link(placed, Axis.PP))
+            links = self._links[key] = self.hw.links(placed)
         return links
 
     def forward_s(self, pp: int, load: StageLoad, mbs: int, tp: int) -> float:
@@ -237,7 +305,8 @@ class TimeModel:
 
     def time(self, plan: Plan, order: tuple[Axis, ...] | None = None) -> tm.TimeEstimate:
         """Step time of ``plan`` (placed in ``order`` when given): the slowest stage paces the pipeline; the slowest data-parallel group ends the step."""
-        dp_link, tp_link, pp_link = self.links(plan, plan.order if order is None else order)
+        links = self.links(plan, plan.order if order is None else order)
+        dp_link, tp_link, pp_link = links.dp, links.tp, links.pp
         gas, overhead_s = plan.gas, self.microbatch_overhead_s(plan.zero, plan.pp, plan.recompute, plan.offload)
         key = (plan.pp, plan.mbs, plan.tp, plan.recompute, plan.sp, plan.vpp, id(tp_link), id(pp_link))
         slowest = self._slowest.get(key)
@@ -247,11 +316,11 @@ class TimeModel:
         dp_s = self._dp.get(key)
         if dp_s is None:
             dp_s = self._dp[key] = max(self._stage_dp_s(load, plan, dp_link) for load in self.loads(plan.pp))
-        microbatch_s = slowest[0] + overhead_s
+        microbatch_s = slowest.microbatch_s + overhead_s
         return tm.TimeEstimate(
-            compute_s=gas * slowest[1],
-            tp_comm_s=gas * slowest[2],
-            pp_comm_s=gas * slowest[3],
+            compute_s=gas * slowest.compute_s,
+            tp_comm_s=gas * slowest.tp_comm_s,
+            pp_comm_s=gas * slowest.pp_comm_s,
             dp_comm_s=dp_s,
             bubble_s=tm.bubble_s(microbatch_s, pp=plan.pp, vpp=plan.vpp),
             offload_s=self._offload_s(plan),
@@ -281,7 +350,8 @@ class TimeModel:
         return seconds
 
     def _stage_compute(self, pp: int, load: StageLoad, mbs: int, tp: int, recompute: Recompute) -> tuple[float, float]:
-        """Forward and backward (with recomputation) of one micro-batch on one device of a stage."""
+        """(forward, backward with recomputation) seconds of one micro-batch on one device of a stage (a pair, not a
+        record: the search asks for many)."""
         key = (pp, load.index, mbs, tp, recompute)
         pair = self._compute.get(key)
         if pair is None:
@@ -291,10 +361,10 @@ class TimeModel:
             pair = self._compute[key] = (fwd, bwd)
         return pair
 
-    def _slowest_stage(self, plan: Plan, tp_link: LinkSpec, pp_link: LinkSpec) -> tuple[float, float, float, float]:
-        """(micro-batch, compute, tp, pp) seconds of the stage with the longest micro-batch (the first of equally slow ones, as max() picks)."""
+    def _slowest_stage(self, plan: Plan, tp_link: LinkSpec, pp_link: LinkSpec) -> StageTime:
+        """The stage with the longest micro-batch (the first of equally slow ones, as max() picks)."""
         pp, mbs, tp = plan.pp, plan.mbs, plan.tp
-        slowest = None
+        slowest = None  # (micro-batch, compute, tp, pp) seconds; named once the loop is done (records cost more to build)
         for load in self.loads(pp):
             fwd, bwd = self._stage_compute(pp, load, mbs, tp, plan.recompute)
             compute_s = fwd + bwd
@@ -304,7 +374,8 @@ class TimeModel:
             if slowest is None or microbatch_s > slowest[0]:
                 slowest = (microbatch_s, compute_s, tp_s, pp_s)
         assert slowest is not None  # a pipeline has at least one stage
-        return slowest
+        microbatch_s, compute_s, tp_s, pp_s = slowest
+        return StageTime(microbatch_s=microbatch_s, compute_s=compute_s, tp_comm_s=tp_s, pp_comm_s=pp_s)
 
     def _stage_dp_s(self, load: StageLoad, plan: Plan, link: LinkSpec) -> float:
         """Exposed data-parallel communication of one stage."""

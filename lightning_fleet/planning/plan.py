@@ -11,6 +11,13 @@ when it differs from the default placement.
 A :class:`PartialPlan` (:func:`parse_partial_plan`) reads the same strings with the other meaning:
 the keys given are fixed and the planner chooses the rest (``dp=2,zero=1``: ZeRO-1 on two replicas,
 any micro-batch size, recomputation and offload that fit).
+
+Where each rank sits is defined here once, by the plan's ``order``: :meth:`Plan.stride`,
+:meth:`Plan.coordinates` and :meth:`Plan.rank_at`. The cost model (which link an axis runs on), the
+sampler (which replica a rank feeds) and the runtime's process groups all derive from them.
+
+Pure: imports neither torch nor deepspeed; imported by the rest of the planning core, the CLI, the
+strategy and the runtimes.
 """
 
 from __future__ import annotations
@@ -49,6 +56,24 @@ class Offload(StrEnum):
 
 DEFAULT_ORDER: tuple[Axis, ...] = (Axis.TP, Axis.DP, Axis.PP)
 """Default placement, innermost first: tp on consecutive ranks of a node, then dp, then pp."""
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Coordinates:
+    """Where one rank sits in a plan's mesh: its index along each axis (:meth:`Plan.coordinates`)."""
+
+    dp: int
+    """Its data-parallel replica, 0 ... dp - 1 (which slice of each global batch it trains on)."""
+    tp: int
+    """Its place in its tensor-parallel group, 0 ... tp - 1 (which shard of each split layer it holds)."""
+    pp: int
+    """Its pipeline stage, 0 ... pp - 1 (which layers it runs)."""
+
+    def __post_init__(self) -> None:
+        for axis in Axis:
+            index = getattr(self, axis.value)
+            if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+                raise PlanError(f"coordinates: {axis} must be a non-negative integer index, got {index!r}")
+
 
 _KEYS = ("dp", "tp", "pp", "zero", "mbs", "gas", "recompute", "sp", "vpp", "offload", "order")
 _INT_KEYS = ("dp", "tp", "pp", "mbs", "gas", "vpp")
@@ -116,6 +141,40 @@ class Plan:
             text += f",order={'-'.join(self.order)}"
         return text
 
+    def stride(self, axis: Axis) -> int:
+        """Rank distance between neighbours on ``axis``: the product of the degrees of the axes :attr:`order` places
+        inside it (order tp-dp-pp: tp 1, dp tp, pp tp * dp). The one definition of where ranks sit."""
+        stride = 1
+        for inner in self.order:
+            if inner == axis:
+                return stride
+            stride *= getattr(self, inner.value)
+        raise PlanError(f"plan: {axis!r} is not an axis (known: {', '.join(Axis)})")
+
+    def coordinates(self, rank: int) -> Coordinates:
+        """Where ``rank`` sits, the first axis of :attr:`order` varying fastest: with order tp-dp-pp, dp=2, tp=2 the ranks
+        0, 1, 2, 3 are (dp, tp) = (0, 0), (0, 1), (1, 0), (1, 1). PlanError unless 0 <= rank < world_size."""
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
+            raise PlanError(
+                f"plan {self}: rank {rank!r} is not one of its ranks 0..{self.world_size - 1} "
+                f"(dp({self.dp}) * tp({self.tp}) * pp({self.pp}) = {self.world_size}): use a rank of the world it was made for"
+            )
+        return Coordinates(
+            dp=rank // self.stride(Axis.DP) % self.dp,
+            tp=rank // self.stride(Axis.TP) % self.tp,
+            pp=rank // self.stride(Axis.PP) % self.pp,
+        )
+
+    def rank_at(self, coordinates: Coordinates) -> int:
+        """The rank at ``coordinates`` (the inverse of :meth:`coordinates`); PlanError when an index is outside its axis."""
+        for axis in Axis:
+            index, size = getattr(coordinates, axis.value), getattr(self, axis.value)
+            if index >= size:
+                raise PlanError(
+                    f"plan {self}: {axis} index {index} is outside 0..{size - 1} ({axis}={size}): use coordinates of its mesh"
+                )
+        return sum(getattr(coordinates, axis.value) * self.stride(axis) for axis in Axis)
+
     def to_dict(self) -> dict[str, object]:
         """The plan as JSON-ready values (order as 'tp-dp-pp')."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -178,7 +237,8 @@ def _check_order(order: object) -> tuple[Axis, ...]:
 def _check_pairs(
     *, tp: int | None, pp: int | None, zero: int | None, sp: bool | None, vpp: int | None, offload: Offload | None
 ) -> None:
-    """The rules between two fields, checked where both are known (None: not fixed)."""
+    """The rules between two fields, checked where both are known (None: not fixed). They say what the cost model's sp,
+    vpp and offload mean, not what a runtime executes (that is each runtime's Capabilities, lightning_fleet/runtime/)."""
     if sp and tp == 1:
         raise PlanError("plan: sp=true needs tp > 1 (sequence parallelism splits along the tensor-parallel group)")
     if vpp is not None and vpp > 1 and pp == 1:

@@ -27,6 +27,10 @@ next to a stage's other bytes as floats round the sum (:func:`room`), so it deci
 sum does; which variants fit then depends only on where the activation bytes rank among a layout's
 rooms, and is kept per ranking. Step times come from memoised pieces
 (:class:`~lightning_fleet.planning.estimate.TimeModel`) equal bit for bit to :func:`estimate`'s.
+
+Every plan not chosen comes back as a :class:`Rejection` with a :class:`RejectionKind` to branch on.
+
+Pure: imports neither torch nor deepspeed; imported by the CLI, the decision, the strategy and benchmarks.
 """
 
 from __future__ import annotations
@@ -37,7 +41,9 @@ import heapq
 import itertools
 import struct
 import time as _clock
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from lightning_fleet.planning.cluster import GIB, ClusterSpec, LinkLevel
 from lightning_fleet.planning.comm import axis_level
@@ -46,6 +52,7 @@ from lightning_fleet.planning.estimate import (
     ActivationModel,
     Estimate,
     Hardware,
+    StateBytes,
     TimeModel,
     stage_state_bytes,
 )
@@ -224,18 +231,31 @@ def narrow(base: Constraints, partial: PartialPlan) -> Constraints:
     return dataclasses.replace(base, **changes)  # type: ignore[arg-type]
 
 
+class RejectionKind(StrEnum):
+    """Why a candidate was not chosen, as a value to branch on (the reason text is for people)."""
+
+    LAYOUT = "layout"
+    """Its layout cannot split this model's batch (dp does not divide the global batch size); no variant is a candidate."""
+    MEMORY = "memory"
+    """It does not fit: device or host memory is short, for its variant closest to fitting and every larger mbs."""
+    SLOWER = "slower"
+    """It fits, but is predicted slower than the plans returned (a runner-up)."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Rejection:
     """A candidate (or a family of them) that was not chosen, and why."""
 
     plan: str
     """The plan string (for a family, its smallest member)."""
+    kind: RejectionKind
+    """Why, as a value: a layout that cannot split the batch, a plan that does not fit, or one that is slower."""
     reason: str
     """Which term did not fit and by how much, or why it lost."""
 
     def to_dict(self) -> dict[str, str]:
-        """JSON form."""
-        return {"plan": self.plan, "reason": self.reason}
+        """JSON form: ``{"plan", "kind", "reason"}``."""
+        return {"plan": self.plan, "kind": str(self.kind), "reason": self.reason}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -245,7 +265,8 @@ class PlanResult:
     plans: tuple[Estimate, ...]
     """Top plans, fastest first."""
     rejected: tuple[Rejection, ...]
-    """Plans that lost, with a reason each: the runners-up beyond the top, then those that did not fit (closest first)."""
+    """Plans that lost, with a kind and a reason each: the runners-up beyond the top (slower), then those that did not fit
+    (memory, closest first), then layouts that cannot split the batch (layout)."""
     candidates: int
     """Candidates considered (pruned families counted in full)."""
     feasible: int
@@ -289,14 +310,15 @@ def _offloads(zero: int, cons: Constraints, has_host: bool) -> list[Offload]:
 
 @dataclass(frozen=True, slots=True)
 class _Layout:
+    """A split of the world into dp x tp x pp devices."""
+
     dp: int
     tp: int
     pp: int
 
 
-def _layouts(
-    model: ModelSpec, world: int, cons: Constraints, rejected: list[tuple[float, Rejection | tuple[Plan, MemoryEstimate]]]
-) -> list[_Layout]:
+def _layouts(model: ModelSpec, world: int, cons: Constraints, rejected: list[Rejection]) -> list[_Layout]:
+    """The layouts dp x tp x pp = world the constraints allow; those that cannot split the global batch go to ``rejected``."""
     out = []
     for tp in divisors(world):
         if model.num_heads % tp or (cons.max_tp and tp > cons.max_tp) or cons.tp not in (None, tp):
@@ -309,14 +331,14 @@ def _layouts(
                 continue
             if model.global_batch_size % dp:
                 reason = f"dp({dp}) does not divide the global batch size {model.global_batch_size}"
-                rejected.append((float("inf"), Rejection(plan=f"dp={dp},tp={tp},pp={pp}", reason=reason)))
+                rejected.append(Rejection(plan=f"dp={dp},tp={tp},pp={pp}", kind=RejectionKind.LAYOUT, reason=reason))
                 continue
             out.append(_Layout(dp, tp, pp))
     return out
 
 
 def _variants(layout: _Layout, model: ModelSpec, cons: Constraints) -> list[tuple[int, bool, int]]:
-    """(vpp, sp, zero) combinations for a layout."""
+    """The (vpp, sp, zero) combinations of a layout, vpp outermost and zero innermost (tuples: the search makes many)."""
     vpps = [1]
     if layout.pp > 1:
         vpps = [v for v in divisors(model.num_layers // layout.pp) if cons.max_vpp is None or v <= cons.max_vpp]
@@ -377,12 +399,27 @@ def explain_misfit(memory: MemoryEstimate) -> str:
     return device + ("; " + host if memory.host_bytes > memory.host_limit_bytes else "")
 
 
-def _misfit_rejection(misfit: Rejection | tuple[Plan, MemoryEstimate]) -> Rejection:
-    """A rejected layout as it is, or a family that did not fit (its variant closest to fitting and memory), explained."""
-    if isinstance(misfit, Rejection):
-        return misfit
-    plan, memory = misfit
-    return Rejection(plan=str(plan), reason=explain_misfit(memory) + " (and every larger mbs)")
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Misfit:
+    """A family of candidates that did not fit, by its variant closest to fitting (explained only if reported)."""
+
+    plan: Plan
+    """That variant."""
+    memory: MemoryEstimate
+    """Its worst stage's memory (what :func:`memory_estimate` returns)."""
+    shortfall_bytes: float
+    """``memory.shortfall_bytes()``: how far it is from fitting; the report lists the closest first."""
+
+
+def _misfit_rejection(misfit: _Misfit) -> Rejection:
+    """A family that did not fit, explained by its variant closest to fitting."""
+    reason = explain_misfit(misfit.memory) + " (and every larger mbs)"
+    return Rejection(plan=str(misfit.plan), kind=RejectionKind.MEMORY, reason=reason)
+
+
+def _slower_rejection(candidate: Estimate, best: Estimate) -> Rejection:
+    """A runner-up that fits but lost to ``best``, explained."""
+    return Rejection(plan=str(candidate.plan), kind=RejectionKind.SLOWER, reason=_explain_slower(candidate, best))
 
 
 def _explain_slower(candidate: Estimate, best: Estimate) -> str:
@@ -456,10 +493,10 @@ def room(other: float, limit: float) -> float:
 class _State:
     """What a stage holds besides activations, for one (layout, zero, offload)."""
 
-    terms: tuple[tuple[float, float, float, float, float], ...]
-    """Per stage: (params, grads, optimizer, other, host) bytes, as :func:`stage_state_bytes` returns them."""
+    terms: tuple[StateBytes, ...]
+    """Per stage: what :func:`stage_state_bytes` returns."""
     rooms: tuple[float, ...]
-    """Per stage: :func:`room` for params + grads + optimizer + other (summed in that order): the activation bytes that still fit."""
+    """Per stage: :func:`room` for :attr:`StateBytes.device_bytes`: the activation bytes that still fit."""
     host_fits: bool
     """Every stage's host bytes fit the host share of one device."""
 
@@ -570,36 +607,35 @@ class _Search:
         self.candidates = 0
         self.feasible_count = 0
         self.feasible: list[Estimate] = []
-        self.misfits: list[tuple[float, Rejection | tuple[Plan, MemoryEstimate]]] = []  # explained when reported
-        self.misfit_plans: list[Plan] = []
-        self.closest: tuple[float, MemoryEstimate, Plan] | None = None
+        self.unsplittable: list[Rejection] = []
+        """Layouts that cannot split the global batch, in search order."""
+        self.misfits: list[_Misfit] = []
+        """Every family that did not fit, in search order (explained only when reported)."""
+        self.closest: _Misfit | None = None
+        """The misfit with the least shortfall (the first of equally close ones)."""
         self._states: dict[tuple[int, int, int, int, Offload], _State] = {}
         self._bounds: dict[tuple[int, int, int, int, int], float] = {}
         self._orders: dict[tuple[int, int, int], list[tuple[Axis, ...]]] = {}
         self._undominated: dict[tuple[tuple[Recompute, Offload], ...], list[tuple[Recompute, Offload]]] = {}
 
     def _worst(self, acts: tuple[float, ...], state: _State, loads: tuple[StageLoad, ...]) -> MemoryEstimate:
-        """The worst stage's MemoryEstimate (what :func:`memory_estimate` returns), built from the sums the search already has."""
-        stages = [
-            MemoryEstimate(
-                params_bytes=params,
-                grads_bytes=grads,
-                optimizer_bytes=optimizer,
-                activations_bytes=a,
-                other_bytes=other,
-                limit_bytes=self.hw.memory_bytes,
-                host_bytes=host,
-                host_limit_bytes=self.hw.host_bytes_per_device,
-                stage=load.index,
-            )
-            for a, (params, grads, optimizer, other, host), load in zip(acts, state.terms, loads)
-        ]
-        return max(stages, key=MemoryEstimate.shortfall_bytes)
+        """The worst stage's MemoryEstimate (what :func:`memory_estimate` returns: the first stage with the largest
+        shortfall, as max() picks it), built from the sums the search already has for that stage only."""
+        shortfalls = self._shortfalls(acts, state)
+        worst = shortfalls.index(max(shortfalls))
+        return state.terms[worst].with_activations(acts[worst], self.hw, loads[worst].index)
 
     def _shortfall(self, acts: tuple[float, ...], state: _State) -> float:
-        """:meth:`MemoryEstimate.shortfall_bytes` of the worst stage (what :meth:`_worst` would build), summed as it sums."""
+        """:meth:`MemoryEstimate.shortfall_bytes` of the worst stage (what :meth:`_worst` would build)."""
+        return max(self._shortfalls(acts, state))
+
+    def _shortfalls(self, acts: tuple[float, ...], state: _State) -> list[float]:
+        """Per stage, :meth:`MemoryEstimate.shortfall_bytes` of its device, summed as that sums."""
         limit, host_limit = self.hw.memory_bytes, self.hw.host_bytes_per_device
-        return max(max(p + g + o + a + other - limit, host - host_limit) for a, (p, g, o, other, host) in zip(acts, state.terms))
+        return [
+            max(t.params_bytes + t.grads_bytes + t.optimizer_bytes + a + t.other_bytes - limit, t.host_bytes - host_limit)
+            for a, t in zip(acts, state.terms)
+        ]
 
     def _bound(self, tp: int, pp: int, vpp: int, mbs: int, gas: int) -> float:
         """:func:`compute_bound_s`, kept: it depends on neither ZeRO, sp, recomputation, offload nor placement."""
@@ -618,10 +654,10 @@ class _Search:
         key = (plan.dp, plan.tp, plan.pp)
         orders = self._orders.get(key)
         if orders is None:
-            seen = {tuple(map(id, self.times.links(plan, plan.order)))}
+            seen = {self.times.links(plan, plan.order).identity()}
             orders = self._orders[key] = []
             for order in _alternative_orders(plan, self.hw):
-                links = tuple(map(id, self.times.links(plan, order)))
+                links = self.times.links(plan, order).identity()
                 if links not in seen:
                     seen.add(links)
                     orders.append(order)
@@ -638,14 +674,14 @@ class _Search:
             )
             state = self._states[key] = _State(
                 terms=terms,
-                rooms=tuple(room(sum(t[:4]), self.hw.memory_bytes) for t in terms),
-                host_fits=all(t[4] <= self.hw.host_bytes_per_device for t in terms),
+                rooms=tuple(room(t.device_bytes, self.hw.memory_bytes) for t in terms),
+                host_fits=all(t.host_bytes <= self.hw.host_bytes_per_device for t in terms),
             )
         return state
 
     def run(self) -> None:
         """Walk every layout, variant and micro-batch size; price what fits and can still enter the top."""
-        for layout in _layouts(self.model, self.hw.world_size, self.cons, self.misfits):
+        for layout in _layouts(self.model, self.hw.world_size, self.cons, self.unsplittable):
             batch = self.model.global_batch_size // layout.dp
             mbs_values = _micro_batch_sizes(batch, self.cons)
             variants = _variants(layout, self.model, self.cons)
@@ -759,11 +795,10 @@ class _Search:
             _, k = min((self._shortfall(acts_by_stage, state), k) for k, state in enumerate(states.states))
         plan = Plan(**fields, recompute=recompute, offload=states.offloads[k])  # type: ignore[arg-type]
         memory = self._worst(acts_by_stage, states.states[k], self.times.loads(plan.pp))  # == memory_estimate(model, hw, plan)
-        short = memory.shortfall_bytes()
-        if self.closest is None or short < self.closest[0]:
-            self.closest = (short, memory, plan)
-        self.misfits.append((short, (plan, memory)))
-        self.misfit_plans.append(plan)
+        misfit = _Misfit(plan=plan, memory=memory, shortfall_bytes=memory.shortfall_bytes())
+        if self.closest is None or misfit.shortfall_bytes < self.closest.shortfall_bytes:
+            self.closest = misfit
+        self.misfits.append(misfit)
 
     def refine_placements(self, ranked: list[Estimate]) -> list[Estimate]:
         """Price other placements for the plans that could still enter the top ``top``.
@@ -830,8 +865,9 @@ def plan(
     if cons.search_placement and cons.order is None:
         ranked = search.refine_placements(ranked)
     best = ranked[0]
-    slower = [Rejection(plan=str(e.plan), reason=_explain_slower(e, best)) for e in ranked[top : top + max_rejected]]
-    misfits = [_misfit_rejection(m) for _, m in sorted(search.misfits, key=lambda x: x[0])[:max_rejected]]
+    slower = [_slower_rejection(e, best) for e in ranked[top : top + max_rejected]]
+    closest = sorted(search.misfits, key=lambda m: m.shortfall_bytes)[:max_rejected]
+    misfits = ([_misfit_rejection(m) for m in closest] + search.unsplittable)[:max_rejected]  # layouts are furthest
     return PlanResult(
         plans=tuple(ranked[:top]),
         rejected=tuple(slower + misfits),
@@ -839,7 +875,7 @@ def plan(
         feasible=search.feasible_count,
         seconds=_clock.perf_counter() - started,
         all_feasible=tuple(ranked),
-        misfit_plans=tuple(search.misfit_plans),
+        misfit_plans=tuple(m.plan for m in search.misfits),
     )
 
 
@@ -848,7 +884,7 @@ def _nothing_fits(model: ModelSpec, cluster: ClusterSpec, search: _Search) -> No
     needs against what there is, and what would help; or, without any candidate, what excluded them all."""
     if search.closest is None:
         return NoFeasiblePlanError(_no_candidates(model, cluster, search.cons))
-    _, memory, closest = search.closest
+    memory, closest = search.closest.memory, search.closest.plan
     device_short = memory.total_bytes > memory.limit_bytes
     host_short = memory.host_bytes > memory.host_limit_bytes
     term, nbytes = memory.largest_term()
@@ -923,83 +959,100 @@ def _no_candidates(model: ModelSpec, cluster: ClusterSpec, cons: Constraints) ->
         relation = "!=" if len(fixed) == 3 else "does not divide"
         factors = " * ".join(f"{name}({value})" for name, value in fixed.items()) + (f" = {product}" if len(fixed) > 1 else "")
         return f"{head}: {factors} {relation} world size {world}: change the fixed values or the device count"
-    reasons: dict[str, tuple[bool, bool]] = {}  # reason -> (a constraint, the device count or global batch) could lift it
+    reasons: dict[str, _Exclusion] = {}  # each reason once, the first time it excludes something
     layouts = []
     for tp in divisors(world):
         for pp in divisors(world // tp):
             dp = world // (tp * pp)
-            reason = _layout_exclusion(model, cons, dp, tp, pp)
-            if reason is None:
+            exclusion = _layout_exclusion(model, cons, dp, tp, pp)
+            if exclusion is None:
                 layouts.append(_Layout(dp, tp, pp))
             else:
-                reasons.setdefault(*reason)
+                reasons.setdefault(exclusion.reason, exclusion)
     if not layouts:
-        return f"{head}: no layout dp x tp x pp = {world} is left: {'; '.join(reasons)}: {_lift(reasons)}"
+        return f"{head}: no layout dp x tp x pp = {world} is left: {'; '.join(reasons)}: {_lift(reasons.values())}"
     reasons = {}
     for layout in layouts:
-        for reason in _variant_exclusions(model, cons, layout, cluster.host is not None):
-            reasons.setdefault(*reason)
-    return f"{head}: every layout is excluded: {'; '.join(reasons)}: {_lift(reasons)}"
+        for exclusion in _variant_exclusions(model, cons, layout, cluster.host is not None):
+            reasons.setdefault(exclusion.reason, exclusion)
+    return f"{head}: every layout is excluded: {'; '.join(reasons)}: {_lift(reasons.values())}"
 
 
-def _lift(reasons: dict[str, tuple[bool, bool]]) -> str:
-    """What lifts these reasons: the constraints they name, the device count or global batch size, or both."""
-    constraint, size = any(c for c, _ in reasons.values()), any(z for _, z in reasons.values())
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Exclusion:
+    """Why the search skips a layout or every variant of one, and what could lift that."""
+
+    reason: str
+    """The rule broken, as the error message says it."""
+    by_constraint: bool
+    """Changing a constraint it names (a fixed value or a limit) could lift it."""
+    by_size: bool
+    """Another device count or global batch size could lift it."""
+
+
+def _by_constraint(reason: str) -> _Exclusion:
+    """An exclusion only a constraint it names can lift."""
+    return _Exclusion(reason=reason, by_constraint=True, by_size=False)
+
+
+def _by_size(reason: str) -> _Exclusion:
+    """An exclusion only another device count or global batch size can lift."""
+    return _Exclusion(reason=reason, by_constraint=False, by_size=True)
+
+
+def _lift(exclusions: Iterable[_Exclusion]) -> str:
+    """What lifts these exclusions: the constraints they name, the device count or global batch size, or both."""
+    exclusions = list(exclusions)
+    constraint, size = any(e.by_constraint for e in exclusions), any(e.by_size for e in exclusions)
     if not constraint:
         return "change the device count or the global batch size"
     return "change those fixed values or limits" + (", the device count or the global batch size" if size else "")
 
 
-_BY_CONSTRAINT, _BY_SIZE = (True, False), (False, True)
-"""What can lift a reason for exclusion: (the constraint it names, the device count or the global batch size)."""
-
-
-def _layout_exclusion(model: ModelSpec, cons: Constraints, dp: int, tp: int, pp: int) -> tuple[str, tuple[bool, bool]] | None:
+def _layout_exclusion(model: ModelSpec, cons: Constraints, dp: int, tp: int, pp: int) -> _Exclusion | None:
     """Why the search skips a layout (the first rule it breaks, as :func:`_layouts` tests them), or None."""
     rules = (
-        (model.num_heads % tp, f"tp must divide num_heads ({model.num_heads})", _BY_SIZE),
-        (cons.max_tp and tp > cons.max_tp, f"tp is limited to max_tp={cons.max_tp}", _BY_CONSTRAINT),
-        (cons.tp not in (None, tp), f"tp is fixed to {cons.tp}", _BY_CONSTRAINT),
-        (model.num_layers % pp, f"pp must divide num_layers ({model.num_layers})", _BY_SIZE),
-        (cons.max_pp and pp > cons.max_pp, f"pp is limited to max_pp={cons.max_pp}", _BY_CONSTRAINT),
-        (cons.pp not in (None, pp), f"pp is fixed to {cons.pp}", _BY_CONSTRAINT),
-        (tp > 1 and pp > 1 and not cons.tp_with_pp, "tp > 1 and pp > 1 cannot be combined here", _BY_CONSTRAINT),
-        (cons.dp not in (None, dp), f"dp is fixed to {cons.dp}", _BY_CONSTRAINT),
-        (model.global_batch_size % dp, f"dp must divide the global batch size ({model.global_batch_size})", _BY_SIZE),
+        (model.num_heads % tp, _by_size, f"tp must divide num_heads ({model.num_heads})"),
+        (cons.max_tp and tp > cons.max_tp, _by_constraint, f"tp is limited to max_tp={cons.max_tp}"),
+        (cons.tp not in (None, tp), _by_constraint, f"tp is fixed to {cons.tp}"),
+        (model.num_layers % pp, _by_size, f"pp must divide num_layers ({model.num_layers})"),
+        (cons.max_pp and pp > cons.max_pp, _by_constraint, f"pp is limited to max_pp={cons.max_pp}"),
+        (cons.pp not in (None, pp), _by_constraint, f"pp is fixed to {cons.pp}"),
+        (tp > 1 and pp > 1 and not cons.tp_with_pp, _by_constraint, "tp > 1 and pp > 1 cannot be combined here"),
+        (cons.dp not in (None, dp), _by_constraint, f"dp is fixed to {cons.dp}"),
+        (model.global_batch_size % dp, _by_size, f"dp must divide the global batch size ({model.global_batch_size})"),
     )
-    return next(((text, lifted_by) for broken, text, lifted_by in rules if broken), None)
+    return next((exclusion(reason) for broken, exclusion, reason in rules if broken), None)
 
 
-def _variant_exclusions(
-    model: ModelSpec, cons: Constraints, layout: _Layout, has_host: bool
-) -> list[tuple[str, tuple[bool, bool]]]:
+def _variant_exclusions(model: ModelSpec, cons: Constraints, layout: _Layout, has_host: bool) -> list[_Exclusion]:
     """Why a layout that passes :func:`_layouts` still has no candidate, as :func:`_variants`, :func:`_offloads` and
     :func:`_micro_batch_sizes` decide (each reason with what could lift it)."""
-    out: list[tuple[str, tuple[bool, bool]]] = []
+    out: list[_Exclusion] = []
     vpps = [1]
     if layout.pp > 1:
         vpps = [v for v in divisors(model.num_layers // layout.pp) if cons.max_vpp is None or v <= cons.max_vpp]
     if cons.vpp not in (None, *vpps):
-        out.append((f"vpp={cons.vpp} needs pp > 1 with pp * vpp dividing num_layers ({model.num_layers})" + (
-            f" and vpp <= max_vpp={cons.max_vpp}" if cons.max_vpp is not None else ""), _BY_CONSTRAINT))
+        out.append(_by_constraint(f"vpp={cons.vpp} needs pp > 1 with pp * vpp dividing num_layers ({model.num_layers})" + (
+            f" and vpp <= max_vpp={cons.max_vpp}" if cons.max_vpp is not None else "")))
     if cons.sp and not (layout.tp > 1 and cons.allow_sp):
-        out.append(("sp=true needs tp > 1" + ("" if cons.allow_sp else " and allow_sp"), _BY_CONSTRAINT))
+        out.append(_by_constraint("sp=true needs tp > 1" + ("" if cons.allow_sp else " and allow_sp")))
     zeros = [z for z in cons.zero_stages if layout.pp == 1 or z <= cons.max_zero_with_pp]
     if not zeros:
         reason = f"zero {_names(cons.zero_stages)} cannot run with pp > 1 here (at most zero={cons.max_zero_with_pp})"
-        out.append((reason, _BY_CONSTRAINT))
+        out.append(_by_constraint(reason))
     else:
         allowed = _allowed_offloads(cons)
         runs = [o for z in zeros for o in _offloads(z, cons, has_host)
                 if layout.pp == 1 or cons.offload_with_pp or o is Offload.NONE]
         if not runs and layout.pp > 1 and not cons.offload_with_pp:
-            out.append((f"offload {_names(allowed)} cannot run with pp > 1 here", _BY_CONSTRAINT))
+            out.append(_by_constraint(f"offload {_names(allowed)} cannot run with pp > 1 here"))
         elif not runs:
             needed = "3" if allowed == (Offload.OPTIMIZER_PARAMS,) else "1, 2 or 3"
-            out.append((f"offload {_names(allowed)} needs zero {needed}, but zero is {_names(zeros)} here", _BY_CONSTRAINT))
+            out.append(_by_constraint(f"offload {_names(allowed)} needs zero {needed}, but zero is {_names(zeros)} here"))
     if not _micro_batch_sizes(model.global_batch_size // layout.dp, cons):
         fixed = "; ".join(f"{name} {_names(v) if isinstance(v, tuple) else v}"
                           for name, v in (("mbs", cons.mbs), ("gas", cons.gas)) if v is not None)
         reason = f"{fixed} does not split the global batch size ({model.global_batch_size}) / dp into mbs * gas"
-        out.append((reason, (True, True)))
+        out.append(_Exclusion(reason=reason, by_constraint=True, by_size=True))
     return out

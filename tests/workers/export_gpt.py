@@ -1,13 +1,13 @@
 """Worker for tests/test_export.py: train the example GPT under several plans and check what comes out.
 
 One Trainer.fit per plan (same processes). After each fit, every rank: gathers the live full weights
-(export.full_state_dict), saves ``trainer.save_checkpoint(DIR/<index>/before)``, hands the module back
-(export.restore_module), checks it is the plain original module (types, keys, dtypes, no DeepSpeed
+(lightning_fleet.runtime.deepspeed.weights.full_state_dict), saves ``trainer.save_checkpoint(DIR/<index>/before)``,
+hands the module back (weights.restore_module), checks it is the plain original module (types, keys, dtypes, no DeepSpeed
 attributes or hooks, the user's own hook kept, same weights on every rank), runs it on a fixed batch,
 and saves again (``DIR/<index>/after``, written by the engine's mirror of the tree). A FleetCheckpoint
 step directory is written under ``DIR/<index>/fleet`` at the last step. Rank 0 writes the results to --out.
 Under a mixed precision (``bf16-mixed@PLAN``) it also records, straight from DeepSpeed's optimizer (not through
-lightning_fleet.export), the fp32 master weights and the low-precision weights the module trained with.
+lightning_fleet's weights module), the fp32 master weights and the low-precision weights the module trained with.
 
     python tests/workers/export_gpt.py --plans "dp=2,zero=3;tied:dp=1,tp=2,zero=0;bf16-mixed@dp=2,zero=0" \
         --save-to /tmp/x --out /tmp/r.pt
@@ -28,7 +28,12 @@ from lightning.pytorch import Trainer, seed_everything  # noqa: E402
 
 from examples.gpt.data import StdlibText  # noqa: E402
 from examples.gpt.model import GPT  # noqa: E402
-from lightning_fleet.export import full_state_dict, pipeline_layer_keys, record_module, restore_module  # noqa: E402
+from lightning_fleet.runtime.deepspeed.weights import (  # noqa: E402
+    full_state_dict,
+    pipeline_layer_keys,
+    record_module,
+    restore_module,
+)
 from lightning_fleet.strategy import FleetStrategy  # noqa: E402
 from tests.multiprocess import QUIET_TRAINER  # noqa: E402
 from tests.workers.tied_gpt import PathGPT, TiedGPT  # noqa: E402

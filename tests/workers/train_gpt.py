@@ -77,7 +77,7 @@ def main() -> None:
             trainer.save_checkpoint(f"{args.save_to}/{index}")
         x, y = eval_batch(dm)
         if trainer.strategy.plan.pp > 1:  # each stage holds only its layers: evaluate through the pipeline
-            from lightning_fleet.runtime.pipeline import evaluate
+            from lightning_fleet.runtime.deepspeed.pipeline import evaluate
 
             loss = float(evaluate(trainer.strategy.deepspeed_engine, (x, y)))
         else:

@@ -1,23 +1,16 @@
-"""Plan -> DeepSpeed config dict. Pure: no torch, no deepspeed import; DeepSpeed reads the dict."""
+"""Plan -> DeepSpeed config dict.
+
+Pure: imports neither torch nor deepspeed (DeepSpeed reads the dict); imported by the DeepSpeed backend and the
+strategy. What DeepSpeed can execute at all is stated in ``capabilities.py`` beside it.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from lightning_fleet.planning.memory import BUCKET_ELEMENTS
 from lightning_fleet.planning.plan import Offload, Plan
-from lightning_fleet.planning.search import Constraints
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class TensorParallelSpec:
-    """Which Linear weights AutoTP splits: regexes over parameter names (DeepSpeed ``partition_config``)."""
-
-    column: tuple[str, ...]
-    """Weights split along the output dimension (QKV, MLP up-projection)."""
-    row: tuple[str, ...]
-    """Weights split along the input dimension (attention output, MLP down-projection)."""
+from lightning_fleet.runtime.base import TensorParallelSpec
 
 
 def deepspeed_config(
@@ -71,29 +64,3 @@ def deepspeed_config(
             },
         }
     return config
-
-
-def runtime_constraints(*, has_tensor_parallel: bool, has_pipeline: bool, has_layers: bool, allow_offload: bool = True, **narrower: Any) -> Constraints:
-    """What the DeepSpeed runtime really executes, as planner constraints.
-
-    No sequence parallelism and no interleaved pipeline (DeepSpeed has neither for AutoTP / its
-    pipeline engine), ZeRO <= 1 with pp > 1 ("ZeRO-2 and ZeRO-3 are incompatible with pipeline
-    parallelism"), neither AutoTP nor offload inside the pipeline engine, the default placement
-    only, full recomputation only where the layers are known, tp and pp only where the module
-    provides the hooks. ``narrower`` fields (e.g. zero_stages, max_tp) narrow further.
-    """
-    max_tp = narrower.pop("max_tp", None)
-    max_pp = narrower.pop("max_pp", None)
-    return Constraints(
-        allow_sp=False,
-        max_vpp=1,
-        max_zero_with_pp=1,
-        search_placement=False,
-        tp_with_pp=False,
-        offload_with_pp=False,
-        allow_offload=allow_offload,
-        recompute=("none", "full") if has_layers else ("none",),
-        max_tp=(max_tp or None) if has_tensor_parallel else 1,
-        max_pp=(max_pp or None) if has_pipeline else 1,
-        **narrower,
-    )

@@ -1,10 +1,12 @@
-"""Pipeline parallelism through DeepSpeed's PipelineModule, from the module's ``fleet_pipeline()`` hook.
+"""Pipeline parallelism through DeepSpeed's PipelineModule and pipeline engine, from the module's ``fleet_pipeline()``.
 
-The hook returns ``{"layers": [nn.Module, ...], "loss_fn": fn(last_output, labels)}``: the forward
-pass as a sequence (each layer takes the previous one's output) and the loss; a training batch is
-``(inputs, labels)``. The layers share the LightningModule's weights; DeepSpeed keeps on each
-stage only its own, balancing the layers of the ``fleet_layers()`` class across stages and putting
-what comes before them on the first stage and what comes after on the last.
+The hook (:func:`lightning_fleet.hooks.pipeline_hook`) gives the forward pass as a sequence of layers (each takes the
+previous one's output) and the loss; a training batch is ``(inputs, labels)``. The layers share the LightningModule's
+weights; DeepSpeed keeps on each stage only its own, balancing the layers of the layer stack's class across stages
+and putting what comes before them on the first stage and what comes after on the last. The stages and replicas sit
+on the ranks where the plan's ``order`` puts them (:func:`pipeline_topology`).
+
+Imports torch and deepspeed (deepspeed lazily, at call time); imported by the DeepSpeed backend and the strategy.
 """
 
 from __future__ import annotations
@@ -16,34 +18,40 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from lightning_fleet.planning import FleetError
+from lightning_fleet.hooks import pipeline_hook
+from lightning_fleet.planning import Axis, FleetError, Plan, Recompute
+
+_TOPOLOGY_AXES = {Axis.PP: "pipe", Axis.DP: "data"}
+"""DeepSpeed's names for the plan's axes in a pipeline topology. tp has none: DeepSpeed's pipeline engine runs without
+it (capabilities.py), and a "model" axis, even of size 1, would rename the layer checkpoint files
+(``layer_00-model_00-model_states.pt``: PipelineModule.ckpt_layer_path appends topology.get_rank_repr, which omits only
+"data" and "pipe"), which the weights reader and earlier checkpoints name ``layer_00-model_states.pt``."""
 
 
-def pipeline_hook(module: nn.Module) -> dict[str, Any] | None:
-    """``fleet_pipeline()`` validated, or None when the module has no such hook."""
-    hook = getattr(module, "fleet_pipeline", None)
-    if not callable(hook):
-        return None
-    spec = hook()
-    layers, loss_fn = (spec.get("layers"), spec.get("loss_fn")) if isinstance(spec, dict) else (None, None)
-    if not layers or not all(isinstance(layer, nn.Module) for layer in layers) or not callable(loss_fn):
-        raise FleetError(f"{type(module).__name__}.fleet_pipeline() must return {{'layers': [nn.Module, ...], 'loss_fn': callable}}")
-    return {"layers": list(layers), "loss_fn": loss_fn}
+def pipeline_topology(plan: Plan) -> Any:
+    """DeepSpeed's ProcessTopology of ``plan``: its pp and dp axes, outermost first as ``plan.order`` places them (the
+    default tp-dp-pp gives DeepSpeed's own ``PipeDataParallelTopology(num_pp, num_dp)``: stages outside replicas)."""
+    from deepspeed.runtime.pipe.topology import ProcessTopology
+
+    if plan.tp > 1:
+        raise FleetError(f"plan {plan}: DeepSpeed's pipeline engine runs without tp; use tp=1 with pp > 1")
+    axes = [axis for axis in reversed(plan.order) if axis in _TOPOLOGY_AXES]
+    return ProcessTopology(axes=[_TOPOLOGY_AXES[axis] for axis in axes], dims=[getattr(plan, axis) for axis in axes])
 
 
-def build_pipeline(module: nn.Module, *, pp: int, dp: int, layer_type: str, checkpoint_layers: bool) -> nn.Module:
-    """A DeepSpeed PipelineModule over the hook's layers, ``pp`` stages outside ``dp`` replicas (our default placement)."""
+def build_pipeline(module: nn.Module, plan: Plan, *, layer_type: str) -> nn.Module:
+    """A DeepSpeed PipelineModule over the hook's layers, placed as ``plan`` says (:func:`pipeline_topology`); with
+    ``recompute=full`` each layer of type ``layer_type`` is recomputed in backward."""
     from deepspeed.pipe import PipelineModule
-    from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
     spec = pipeline_hook(module)
     assert spec is not None
     return PipelineModule(
         layers=spec["layers"],
         loss_fn=spec["loss_fn"],
-        topology=PipeDataParallelTopology(num_pp=pp, num_dp=dp),
+        topology=pipeline_topology(plan),
         partition_method=f"type:^{layer_type}$",
-        activation_checkpoint_interval=1 if checkpoint_layers else 0,
+        activation_checkpoint_interval=1 if plan.recompute is Recompute.FULL else 0,
         # full recomputation of the layers only (as the cost model prices it); non-reentrant, so a
         # first layer fed integer token ids still gets gradients for its weights
         checkpointable_layers=[layer_type],

@@ -1,24 +1,23 @@
-"""Measure the machine a job runs on and describe it as a ClusterSpec.
+"""Measure the machine a job runs on and describe it as a ClusterSpec: below the strategy.
 
 World size and node layout come from the launcher; device memory from CUDA (or, on CPU, the
 host's available RAM split across its local ranks); matmul throughput and collective latency and
-bandwidth from short microbenchmarks on the live process group. The result is cached per host,
-device kind and world shape, so a restart does not measure again.
+bandwidth from short microbenchmarks on the live process group, fitted here (saturating GEMM curve,
+ring all-reduce alpha-beta). The result is cached per host, device kind and world shape, so a
+restart does not measure again.
+
+Imports torch and the planning core, never Lightning, DeepSpeed or the strategy. Imported by the
+strategy (to measure a cluster it was not given), by :mod:`lightning_fleet.calibrate.probe` and
+:mod:`lightning_fleet.calibrate.command`, and by the benchmarks.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import os
 import socket
-import sys
-import tempfile
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import psutil
 import torch
@@ -331,146 +330,6 @@ def _host_copy_GBps(device: torch.device) -> float:
     return src.numel() / _timed(run, 3) / 1e9
 
 
-PROBE_LAYERS = 16
-"""Linear layers of the framework probe (width 16: its compute is negligible)."""
-
-
-def probe_plan(world: int, zero: int, gas: int, offload: str = "none") -> str:
-    """The probe's plan, every axis fixed (a partial plan would let the planner choose, e.g., recomputation)."""
-    return f"dp={world},tp=1,pp=1,zero={zero},mbs=1,gas={gas},recompute=none,sp=false,vpp=1,offload={offload}"
-
-
-@contextlib.contextmanager
-def quiet_output(tail_bytes: int = 20000) -> Iterator[None]:
-    """While the block runs, what this process writes to stdout and stderr (Python, C++ and subprocesses alike) goes
-    to a temporary file, and Python warnings are ignored; both are restored afterwards. If the block raises, the last
-    ``tail_bytes`` of what it wrote are put on stderr before the error propagates. For calibration's own runs only:
-    the user's process never runs this."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved = {fd: os.dup(fd) for fd in (1, 2)}
-    failed = False
-    with tempfile.TemporaryFile() as log, warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for fd in saved:
-            os.dup2(log.fileno(), fd)
-        try:
-            yield
-        except BaseException:
-            failed = True
-            raise
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            for fd, copy in saved.items():
-                os.dup2(copy, fd)
-                os.close(copy)
-            if failed:
-                log.seek(max(log.seek(0, os.SEEK_END) - tail_bytes, 0))
-                sys.stderr.write(log.read().decode(errors="replace"))
-                sys.stderr.flush()
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class FrameworkOverheads:
-    """Seconds the framework itself (Lightning's loop, FleetStrategy, DeepSpeed's engine) adds, per ZeRO stage 0-3."""
-
-    step_s: tuple[float, ...]
-    """Per optimizer step (optimizer launch, boundary bookkeeping, callbacks)."""
-    microbatch_s: tuple[float, ...]
-    """Per micro-batch beyond its operators' dispatch (engine forward/backward wrappers, ZeRO hooks), for the probe."""
-    probe_tensors: int
-    """Parameter tensors of the probe (ZeRO's extra per-micro-batch time is taken to scale with them)."""
-    offload_microbatch_s: tuple[float, float]
-    """Extra per micro-batch of optimizer offload (ZeRO-2) and of optimizer + parameter offload (ZeRO-3), for the probe."""
-
-
-def framework_overheads(cluster: ClusterSpec, *, steps: int = 8, warmup: int = 2, accumulation: int = 4) -> FrameworkOverheads:
-    """Train a probe model (``PROBE_LAYERS`` Linear(16, 16)) through FleetStrategy at every ZeRO stage with 1 and with
-    ``accumulation`` micro-batches per step. What the cost model already prices for the probe on ``cluster`` (its
-    compute, operator dispatch, collectives, optimizer step, offload transfers: the estimate with no framework
-    constants) is taken off each measured step; of the rest, the growth per micro-batch is the micro-batch overhead
-    and the remainder the step overhead. Every rank of the live process group must call this together.
-
-    What the probe's runs print (Lightning's and DeepSpeed's messages, the plan tables, warnings) is kept out of
-    the terminal while it runs (:func:`quiet_output`), and shown only if the probe fails."""
-    with quiet_output():
-        return _probe_overheads(cluster, steps=steps, warmup=warmup, accumulation=accumulation)
-
-
-def _probe_overheads(cluster: ClusterSpec, *, steps: int, warmup: int, accumulation: int) -> FrameworkOverheads:
-    """:func:`framework_overheads`, unquieted."""
-    from lightning.pytorch import LightningModule, Trainer
-    from lightning.pytorch.callbacks import Callback
-
-    from lightning_fleet.strategy import FleetStrategy
-
-    world = cluster.world_size
-
-    class Probe(LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.layers = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(PROBE_LAYERS)])
-
-        def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
-            return self.layers(batch).square().mean()
-
-        def configure_optimizers(self):  # type: ignore[no-untyped-def]
-            return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
-        def train_dataloader(self):  # type: ignore[no-untyped-def]
-            return torch.utils.data.DataLoader(torch.randn(4096, 16), batch_size=1)
-
-    class Clock(Callback):
-        def __init__(self) -> None:
-            self.ends: list[float] = []
-
-        def on_train_batch_end(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-            self.ends.append(time.perf_counter())
-
-    accelerator = "gpu" if torch.cuda.is_available() else "cpu"
-    device = torch.device("cuda", torch.cuda.current_device()) if accelerator == "gpu" else torch.device("cpu")
-
-    def median_step(zero: int, gas: int, offload: str = "none") -> float:
-        clock = Clock()
-        plan = probe_plan(world, zero, gas, offload)
-        trainer = Trainer(accelerator=accelerator, devices=1, strategy=FleetStrategy(plan=plan, cluster=cluster, global_batch_size=world * gas),
-                          max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                          num_sanity_val_steps=0, limit_val_batches=0, callbacks=[clock])
-        trainer.fit(Probe())
-        gaps = sorted(b - a for a, b in zip(clock.ends[warmup:], clock.ends[warmup + 1 :]))
-        return across_ranks(gaps[len(gaps) // 2], device, dist.ReduceOp.MAX)
-
-    from lightning_fleet.planning import estimate, parse_plan
-    from lightning_fleet.profiling import profile_module
-
-    spec = profile_module(Probe(), torch.zeros(1, 16), global_batch_size=1)
-    unpriced = cluster.with_calibration(dataclasses.replace(
-        cluster.calibration, step_overhead_s=0.0, microbatch_overhead_s=0.0, zero_step_overhead_s=(), zero_tensor_overhead_s=(),
-        offload_tensor_overhead_s=()))
-
-    def excess(zero: int, gas: int, offload: str = "none") -> float:
-        """Measured step time of the probe beyond what the model prices without framework constants."""
-        batch = world * gas
-        plan = parse_plan(probe_plan(world, zero, gas, offload), global_batch_size=batch)
-        priced = estimate(dataclasses.replace(spec, global_batch_size=batch), unpriced, plan).time.step_s
-        return median_step(zero, gas, offload) - priced
-
-    step, micro, many = [], [], []
-    for zero in range(4):
-        one = excess(zero, 1)
-        many.append(excess(zero, accumulation))
-        per_micro = max((many[zero] - one) / (accumulation - 1), 0.0)
-        micro.append(per_micro)
-        step.append(max(one - per_micro, 0.0))
-    # offload: the extra unpriced time of the probe (host copies and bookkeeping per parameter tensor), per micro-batch,
-    # against the same stage without offload
-    offloaded = (excess(2, accumulation, "optimizer") - many[2]) / accumulation
-    params = (excess(3, accumulation, "optimizer+params") - many[3]) / accumulation
-    return FrameworkOverheads(step_s=tuple(step), microbatch_s=tuple(micro), probe_tensors=2 * PROBE_LAYERS,
-                              offload_microbatch_s=(max(offloaded, 0.0), max(params, 0.0)))
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Measurement:
     """What :func:`measure` found: the cluster to plan with, and the GEMM fits behind its peaks."""
@@ -521,91 +380,6 @@ def measure(device: torch.device, shape: WorldShape, baseline_rss_bytes: float |
     return Measurement(cluster=cluster, matmul=tuple(fits.values()))
 
 
-def with_framework_overheads(cluster: ClusterSpec) -> ClusterSpec:
-    """The cluster with its per-step and per-micro-batch framework time measured on the probe (all ranks together)."""
-    measured = framework_overheads(cluster)
-    base_step, base_micro = measured.step_s[0], measured.microbatch_s[0]
-    calibration = dataclasses.replace(
-        cluster.calibration,
-        step_overhead_s=float(f"{base_step:.3g}"),
-        microbatch_overhead_s=float(f"{base_micro:.3g}"),
-        zero_step_overhead_s=tuple(float(f"{max(v - base_step, 0.0):.3g}") for v in measured.step_s),
-        # ZeRO's extra time per micro-batch comes from per-parameter hooks: per tensor of the probe
-        zero_tensor_overhead_s=tuple(float(f"{max(v - base_micro, 0.0) / measured.probe_tensors:.3g}") for v in measured.microbatch_s),
-        offload_tensor_overhead_s=tuple(float(f"{v / measured.probe_tensors:.3g}") for v in measured.offload_microbatch_s),
-    )
-    return cluster.with_calibration(calibration)
-
-
-def main(argv: list[str] | None = None) -> None:
-    """``python -m lightning_fleet.calibrate --out FILE``: measure this machine (alone, or every rank of a torchrun job) and
-    write the cluster YAML (rank 0). ``fleet calibrate`` runs this under torchrun for you."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m lightning_fleet.calibrate")
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--no-framework", action="store_true", help="skip the framework probe (Lightning + DeepSpeed)")
-    args = parser.parse_args(argv)
-    with quiet_output():  # DeepSpeed's accelerator warning on import, gloo's messages on init
-        import deepspeed  # noqa: F401  (a training process has these loaded: the memory baseline must include them)
-        import lightning.pytorch  # noqa: F401
-
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        if args.device == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        if world > 1:
-            dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
-    device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
-    started = time.perf_counter()
-    baseline = psutil.Process().memory_info().rss  # before any microbenchmark allocates
-    measured = measure(device, WorldShape(world_size=world, num_nodes=max(1, world // local), local_world_size=local), baseline)
-    cluster = measured.cluster if args.no_framework else with_framework_overheads(measured.cluster)
-    if int(os.environ.get("RANK", "0")) == 0:
-        save_cache(cluster, Path(args.out))
-        lines = summary(measured, cluster, args.out, time.perf_counter() - started, framework=not args.no_framework)
-        print("\n".join(lines), flush=True)
-    if world > 1:
-        dist.barrier()
-        dist.destroy_process_group()
-
-
-def summary(measured: Measurement, cluster: ClusterSpec, out: str, seconds: float, *, framework: bool) -> list[str]:
-    """What ``fleet calibrate`` prints: what was measured, the figures written, and where (seven lines)."""
-    group = cluster.groups[0]
-    c = cluster.calibration
-    peaks = ", ".join(_peak_text(fit) for fit in measured.matmul)
-    link = (
-        f"all-reduce latency {cluster.intra_node.latency_us:g} us, bandwidth {cluster.intra_node.bandwidth_GBps:g} GB/s"
-        if cluster.world_size > 1 else "one process: no collective to measure"
-    )
-    probe = (
-        f"{c.step_overhead_s * 1e3:.3g} ms per step, {c.microbatch_overhead_s * 1e3:.3g} ms per micro-batch "
-        f"(a probe trained through FleetStrategy at ZeRO 0-3)" if framework else "not measured (--no-framework)"
-    )
-    host = f", host {cluster.host.memory_gib:g} GiB (copies {cluster.host.pcie_GBps:g} GB/s)" if cluster.host is not None else ""
-    return [
-        f"fleet calibrate: {cluster.world_size} x {group.device.name} on {group.nodes} node(s), measured in {seconds:.1f} s",
-        f"  GEMM peak   {peaks}; half rate at d={c.matmul_half_dim:g}",
-        f"  memory      {group.device.memory_gib:g} GiB per device (runtime reserve {c.memory_reserve_gib:g} GiB){host}",
-        f"  link        {link}",
-        f"  operators   dispatch {c.op_overhead_s * 1e6:.3g} us, element-wise {c.elementwise_s * 1e9:.3g} ns per element, "
-        f"AdamW {c.adam_params_per_s / 1e6:.3g} M params/s",
-        f"  framework   {probe}",
-        f"  written to  {out} (fleet plan --model MODEL --cluster {out})",
-    ]
-
-
-def _peak_text(fit: MatmulFit) -> str:
-    text = f"{fit.precision} {fit.peak_flops / 1e12:.3g} TFLOP/s"
-    if fit.bounded:
-        text += f" (the fastest GEMM measured; the unbounded fit said {fit.unbounded_peak_flops / 1e12:.3g})"
-    if fit.still_rising:
-        text += f" (still rising at d={fit.points[-1][0]:.0f}, the largest measured)"
-    return text
-
-
 def cache_path(device: torch.device, shape: WorldShape) -> Path:
     """Where the measurement of this host, device kind and world shape is kept."""
     root = Path(os.environ.get("FLEET_CACHE_DIR", Path.home() / ".cache" / "lightning_fleet"))
@@ -629,7 +403,3 @@ def save_cache(cluster: ClusterSpec, path: Path) -> None:
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(cluster.to_yaml())
     os.replace(tmp, path)
-
-
-if __name__ == "__main__":
-    main()

@@ -16,6 +16,9 @@ resharded (their per-rank layouts have no verified conversion here): a clear err
 Every file read here is loaded with ``weights_only=True`` and an explicit allowlist of the few
 DeepSpeed classes its checkpoints hold; the source checkpoint is verified and its pickles
 screened before this module is called.
+
+Imports torch and deepspeed (at call time) and runs DeepSpeed's converter in a subprocess; imported by the DeepSpeed
+backend and the strategy.
 """
 
 from __future__ import annotations

@@ -1,0 +1,96 @@
+"""``fleet calibrate``'s measuring process: ``python -m lightning_fleet.calibrate.command --out FILE``.
+
+The ``fleet`` command (:mod:`lightning_fleet.cli`) runs this module alone or under torchrun; each
+process measures (:mod:`lightning_fleet.calibrate.measure`), trains the framework probe
+(:mod:`lightning_fleet.calibrate.probe`) unless ``--no-framework``, and rank 0 writes the cluster
+YAML and prints :func:`summary`.
+
+The top of the calibration package: it imports measure and probe (so it sits above the strategy
+too); nothing in lightning_fleet imports it (the CLI starts it as a process).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import psutil
+import torch
+import torch.distributed as dist
+
+from lightning_fleet.calibrate.measure import MatmulFit, Measurement, WorldShape, measure, save_cache
+from lightning_fleet.calibrate.probe import quiet_output, with_framework_overheads
+from lightning_fleet.planning import ClusterSpec
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m lightning_fleet.calibrate.command --out FILE``: measure this machine (alone, or every rank of a
+    torchrun job) and write the cluster YAML (rank 0). ``fleet calibrate`` runs this under torchrun for you."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m lightning_fleet.calibrate.command")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--no-framework", action="store_true", help="skip the framework probe (Lightning + DeepSpeed)")
+    args = parser.parse_args(argv)
+    with quiet_output():  # DeepSpeed's accelerator warning on import, gloo's messages on init
+        import deepspeed  # noqa: F401  (a training process has these loaded: the memory baseline must include them)
+        import lightning.pytorch  # noqa: F401
+
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        if args.device == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        if world > 1:
+            dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+    device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    started = time.perf_counter()
+    baseline = psutil.Process().memory_info().rss  # before any microbenchmark allocates
+    measured = measure(device, WorldShape(world_size=world, num_nodes=max(1, world // local), local_world_size=local), baseline)
+    cluster = measured.cluster if args.no_framework else with_framework_overheads(measured.cluster)
+    if int(os.environ.get("RANK", "0")) == 0:
+        save_cache(cluster, Path(args.out))
+        lines = summary(measured, cluster, args.out, time.perf_counter() - started, framework=not args.no_framework)
+        print("\n".join(lines), flush=True)
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def summary(measured: Measurement, cluster: ClusterSpec, out: str, seconds: float, *, framework: bool) -> list[str]:
+    """What ``fleet calibrate`` prints: what was measured, the figures written, and where (seven lines)."""
+    group = cluster.groups[0]
+    c = cluster.calibration
+    peaks = ", ".join(_peak_text(fit) for fit in measured.matmul)
+    link = (
+        f"all-reduce latency {cluster.intra_node.latency_us:g} us, bandwidth {cluster.intra_node.bandwidth_GBps:g} GB/s"
+        if cluster.world_size > 1 else "one process: no collective to measure"
+    )
+    probe = (
+        f"{c.step_overhead_s * 1e3:.3g} ms per step, {c.microbatch_overhead_s * 1e3:.3g} ms per micro-batch "
+        f"(a probe trained through FleetStrategy at ZeRO 0-3)" if framework else "not measured (--no-framework)"
+    )
+    host = f", host {cluster.host.memory_gib:g} GiB (copies {cluster.host.pcie_GBps:g} GB/s)" if cluster.host is not None else ""
+    return [
+        f"fleet calibrate: {cluster.world_size} x {group.device.name} on {group.nodes} node(s), measured in {seconds:.1f} s",
+        f"  GEMM peak   {peaks}; half rate at d={c.matmul_half_dim:g}",
+        f"  memory      {group.device.memory_gib:g} GiB per device (runtime reserve {c.memory_reserve_gib:g} GiB){host}",
+        f"  link        {link}",
+        f"  operators   dispatch {c.op_overhead_s * 1e6:.3g} us, element-wise {c.elementwise_s * 1e9:.3g} ns per element, "
+        f"AdamW {c.adam_params_per_s / 1e6:.3g} M params/s",
+        f"  framework   {probe}",
+        f"  written to  {out} (fleet plan --model MODEL --cluster {out})",
+    ]
+
+
+def _peak_text(fit: MatmulFit) -> str:
+    text = f"{fit.precision} {fit.peak_flops / 1e12:.3g} TFLOP/s"
+    if fit.bounded:
+        text += f" (the fastest GEMM measured; the unbounded fit said {fit.unbounded_peak_flops / 1e12:.3g})"
+    if fit.still_rising:
+        text += f" (still rising at d={fit.points[-1][0]:.0f}, the largest measured)"
+    return text
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,291 @@
+"""Decide once: (the profiled module, the cluster, the job's options, the checkpoint it continues) -> one Decision.
+
+A :class:`Decision` is everything a fit needs to know before anything is applied: the plan and its estimate, what the
+runtime was allowed to execute, whether the job starts fresh, continues a checkpoint at the same world size or
+reshards one, and the start-up report that says why. The strategy computes it on rank 0, broadcasts it once and logs
+it once; everything after setup only reads it (torchtitan's ``ParallelDims`` -> ``parallelize_*``).
+
+Pure: imports the planning core, :mod:`lightning_fleet.runtime.base` and :mod:`lightning_fleet.elastic.layout` (all
+torch-free) and nothing else of the package; imported by the strategy and by tests. Where things go: a new axis is a
+planning change (Plan, Constraints, search) plus a runtime's Capabilities; a new runtime brings its own Capabilities;
+what a user may fix or ask for is :class:`JobOptions`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from lightning_fleet.elastic.layout import Manifest
+from lightning_fleet.planning import (
+    ClusterSpec,
+    Constraints,
+    Estimate,
+    FleetError,
+    ModelSpec,
+    PartialPlan,
+    Plan,
+    PlanResult,
+    RejectionKind,
+    estimate,
+    narrow,
+    parse_partial_plan,
+    parse_plan,
+)
+from lightning_fleet.planning import plan as search_plans
+from lightning_fleet.planning.cluster import GIB
+from lightning_fleet.planning.plan import field_text
+from lightning_fleet.runtime.base import Capabilities, ModuleHooks
+
+
+class ResumeKind(StrEnum):
+    """What a fit does with the checkpoint it was given or found."""
+
+    FRESH = "fresh"
+    """No checkpoint: the plan is chosen for this world."""
+    CONTINUE = "continue"
+    """Same world size: the checkpoint's plan continues exactly, its shards load as written."""
+    RESHARD = "reshard"
+    """Another world size: a plan is chosen for this world and the checkpoint is resharded to it."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class JobOptions:
+    """What the user asked of the planner (FleetStrategy's arguments)."""
+
+    plan: str | None = None
+    """Axes fixed by the user (``"zero=3"``); the planner chooses the rest."""
+    micro_batch_size: int | None = None
+    """A micro-batch size the user pinned."""
+    global_batch_size: int | None = None
+    """Samples per optimizer step; None: the DataLoader's batch size times the world size."""
+    allow_offload: bool = True
+    """Offload may be chosen."""
+    require_offload: bool = False
+    """Only offloading plans may be chosen."""
+    max_tp: int | None = None
+    """Largest tensor-parallel degree."""
+    max_pp: int | None = None
+    """Largest pipeline degree."""
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    """ZeRO stages the planner may choose from."""
+    top: int = 3
+    """Plans the start-up report lists."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModuleFacts:
+    """What profiling found that the decision needs (the torch side reduces a Profile to this)."""
+
+    spec: ModelSpec
+    """The profiled module at the job's global batch."""
+    hooks: ModuleHooks
+    """What the module offers the runtime (layer stack, tensor/pipeline hooks, its optimization loop)."""
+    loader_batch_size: int
+    """The training DataLoader's batch size."""
+    batch_dependent: bool | None = None
+    """Whether the loss depends on the micro-batch (None: unknown)."""
+    profile_lines: tuple[str, ...] = ()
+    """How the module was measured, for the report."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Resume:
+    """The checkpoint a fit continues, and how."""
+
+    kind: ResumeKind
+    """Fresh, continue at the same world size, or reshard."""
+    path: str | None = None
+    """The checkpoint step directory (None when fresh)."""
+    manifest: Manifest | None = None
+    """Its verified manifest (None when fresh)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Decision:
+    """Everything decided before a fit applies anything; computed once on rank 0, read everywhere afterwards."""
+
+    plan: Plan
+    """The plan trained."""
+    estimate: Estimate
+    """The cost model's prediction for it on :attr:`cluster`."""
+    cluster: ClusterSpec
+    """The cluster planned for."""
+    runtime: str
+    """The runtime whose capabilities bounded the choice."""
+    resume: Resume
+    """Fresh, continue or reshard, and from which checkpoint."""
+    report: tuple[str, ...]
+    """The start-up report: how the module was measured, what was fixed and why, the plan, the runners-up."""
+
+    @property
+    def model(self) -> ModelSpec:
+        """The profiled module the plan was priced for."""
+        return self.estimate.model
+
+
+def job_global_batch_size(options: JobOptions, *, loader_batch_size: int, world_size: int, manifest: Manifest | None) -> int:
+    """Samples per optimizer step: a resumed checkpoint's (the optimisation continues whatever the new world; an
+    explicit other one made it incompatible, elastic/compatibility.py), else the option, else what DDP would use."""
+    if manifest is not None and manifest.global_batch_size is not None:
+        return manifest.global_batch_size
+    return options.global_batch_size or loader_batch_size * world_size
+
+
+def resume_of(path: str | None, manifest: Manifest | None, world_size: int) -> Resume:
+    """How a checkpoint (or none) is continued by a job of ``world_size`` processes."""
+    if manifest is None:
+        return Resume(kind=ResumeKind.FRESH)
+    if manifest.world_size == world_size:
+        return Resume(kind=ResumeKind.CONTINUE, path=path, manifest=manifest)
+    source = parse_plan(manifest.plan or "")
+    if source.tp > 1 or source.pp > 1:
+        raise FleetError(
+            f"checkpoint {path} was written by {source} on {manifest.world_size} processes; resharding to {world_size} "
+            f"processes needs a data-parallel checkpoint (tp=1, pp=1): relaunch with {manifest.world_size} processes"
+        )
+    return Resume(kind=ResumeKind.RESHARD, path=path, manifest=manifest)
+
+
+def decide(
+    module: ModuleFacts,
+    cluster: ClusterSpec,
+    *,
+    world_size: int,
+    options: JobOptions,
+    capabilities: Capabilities,
+    resume: Resume,
+) -> Decision:
+    """The one decision of a fit: the plan (continued, fixed or searched), its estimate and the report."""
+    partial, notes = fixed_axes(module, options)
+    if resume.kind is ResumeKind.CONTINUE:
+        chosen, result = _continued(module, cluster, partial, options, capabilities, resume), None
+        notes.append(f"resumed  {resume.path}: its plan continues")
+    else:
+        constraints = _constraints(module, options, capabilities, resume)
+        capabilities.check(partial, constraints, module.hooks)
+        constraints = narrow(constraints, partial)
+        if partial.complete:  # everything fixed: train it as given (priced, not searched)
+            chosen, result = estimate(module.spec, cluster, partial.to_plan(module.spec.global_batch_size)), None
+        else:
+            result = search_plans(module.spec, cluster, top=options.top, constraints=constraints)
+            chosen = result.best
+        notes.extend(pipeline_note(chosen.plan))
+    return Decision(
+        plan=chosen.plan,
+        estimate=chosen,
+        cluster=cluster,
+        runtime=capabilities.name,
+        resume=resume,
+        report=report_lines(chosen, result, cluster, notes),
+    )
+
+
+def _constraints(module: ModuleFacts, options: JobOptions, capabilities: Capabilities, resume: Resume) -> Constraints:
+    """What the runtime executes for this module, narrowed by the options (resharding narrows further)."""
+    if resume.kind is ResumeKind.RESHARD:
+        return capabilities.reshard_constraints(
+            module.hooks,
+            allow_offload=options.allow_offload,
+            require_offload=options.require_offload,
+            zero_stages=options.zero_stages,
+            checkpoint=str(resume.path),
+        )
+    return capabilities.constraints(
+        module.hooks,
+        allow_offload=options.allow_offload,
+        require_offload=options.require_offload,
+        max_tp=options.max_tp,
+        max_pp=options.max_pp,
+        zero_stages=options.zero_stages,
+    )
+
+
+def _continued(
+    module: ModuleFacts, cluster: ClusterSpec, partial: PartialPlan, options: JobOptions, capabilities: Capabilities, resume: Resume
+) -> Estimate:
+    """The checkpoint's plan, if this job may run it and fixes nothing else."""
+    assert resume.manifest is not None
+    resumed = parse_plan(resume.manifest.plan or "", global_batch_size=module.spec.global_batch_size)
+    clash = {k: v for k, v in partial.fixed.items() if getattr(resumed, k) != v}
+    if clash:
+        raise FleetError(
+            f"checkpoint {resume.path} was trained with plan {resumed}, but this job fixes "
+            f"{', '.join(f'{k}={field_text(v)}' for k, v in clash.items())}: drop those from plan=/micro_batch_size= to "
+            "continue it, or start in another checkpoint_dir"
+        )
+    whole = parse_partial_plan(str(resumed))
+    try:
+        constraints = _constraints(module, options, capabilities, resume)
+        capabilities.check(whole, constraints, module.hooks)
+        narrow(constraints, whole)
+    except FleetError as err:
+        raise FleetError(
+            f"checkpoint {resume.path} was trained with plan {resumed}, which this job may not run ({err}): allow it "
+            "(FleetStrategy's zero_stages, offload, max_tp/max_pp, the module's hooks) or start in another checkpoint_dir"
+        ) from None
+    return estimate(module.spec, cluster, resumed)
+
+
+def fixed_axes(module: ModuleFacts, options: JobOptions) -> tuple[PartialPlan, list[str]]:
+    """What the planner may not choose (the user's plan and micro-batch, what the loss and the optimization loop
+    need) and the report lines that say why."""
+    partial = parse_partial_plan(options.plan or "")
+    notes = list(module.profile_lines)
+    if partial.fixed:
+        rest = "" if partial.complete else "; the planner chose the rest"
+        notes.append(f"fixed    {partial} (FleetStrategy(plan=...)){rest}")
+    if options.micro_batch_size is not None:
+        partial = partial.fix(mbs=options.micro_batch_size)
+        notes.append(f"fixed    mbs={options.micro_batch_size} (FleetStrategy(micro_batch_size=...))")
+    elif module.batch_dependent and partial.mbs is None:
+        mbs, gbs = module.loader_batch_size, module.spec.global_batch_size
+        if gbs % mbs == 0:
+            partial = partial.fix(mbs=mbs)
+            notes.append(
+                f"fixed    mbs={mbs}: the loss depends on the micro-batch (BatchNorm, in-batch negatives or a summed loss), "
+                "so the DataLoader's batch size stays the micro-batch; pass micro_batch_size=N to choose another"
+            )
+        else:
+            notes.append(
+                f"note     the loss depends on the micro-batch, but the DataLoader's batch size {mbs} does not divide the "
+                f"global batch {gbs}: the planner chooses it; pass micro_batch_size=N to pin one"
+            )
+    elif module.batch_dependent is None and partial.mbs is None:
+        notes.append("note     whether the loss depends on the micro-batch is unknown; pass micro_batch_size=N to pin it")
+    if not module.hooks.automatic_optimization:
+        if partial.gas not in (None, 1):
+            raise FleetError(f"plan {partial}: {module.hooks.name} steps its own optimizer once per training_step, so gas must be 1")
+        partial = partial.fix(gas=1)
+        notes.append("fixed    gas=1, no pipeline: manual optimization steps once per training_step")
+    return partial, notes
+
+
+def pipeline_note(plan: Plan) -> list[str]:
+    """What a pipeline plan changes for the user's code (said in the start-up report)."""
+    if plan.pp == 1:
+        return []
+    return [
+        "note     pipeline: each step runs fleet_pipeline()'s layers and loss_fn, not training_step (its logging and "
+        "metrics do not run; the step's loss is logged as train_loss); validation runs your validation_step"
+    ]
+
+
+def report_lines(chosen: Estimate, result: PlanResult | None, cluster: ClusterSpec, notes: list[str]) -> tuple[str, ...]:
+    """The start-up report: how the module was measured and what was fixed, the plan, its predicted memory and time,
+    and why the runners-up lost."""
+    lines = [
+        f"lightning_fleet plan for {chosen.model.name} ({chosen.model.params / 1e6:.2f} M params, global batch "
+        f"{chosen.plan.global_batch_size}) on {cluster.name} ({cluster.world_size} x {cluster.groups[0].device.name}):",
+        *(f"  {note}" for note in notes),
+        f"  chosen   {chosen.plan}",
+        f"           predicted {chosen.time.step_s:.4g} s/step, {chosen.memory.total_bytes / GIB:.2f} of "
+        f"{chosen.memory.limit_bytes / GIB:.2f} GiB per device ({chosen.time.largest_term()[0]} dominates)",
+    ]
+    if result is not None:
+        lines.append(f"  searched {result.candidates} candidates, {result.feasible} fit, in {result.seconds:.3f} s")
+        for runner in result.plans[1:]:
+            lines.append(f"  runner-up {runner.plan}: {runner.time.step_s:.4g} s/step ({runner.time.step_s / chosen.time.step_s:.2f}x)")
+        for rejection in [r for r in result.rejected if r.kind is not RejectionKind.SLOWER][:2]:
+            lines.append(f"  misfit   {rejection.plan}: {rejection.reason}")
+    return tuple(lines)

@@ -1,0 +1,373 @@
+"""The on-disk layout of FleetCheckpoint checkpoints: every name and path, the typed manifest, and its verification.
+
+Pure: imports neither torch nor deepspeed (stdlib and :class:`~lightning_fleet.planning.FleetError` only); imported
+by everything that reads or writes checkpoints (elastic/checkpoint.py, elastic/callback.py, elastic/compatibility.py,
+the strategy, the decision, the DeepSpeed runtime's save/load/reshard and export). No other module spells these names.
+
+The tree under a ``FleetCheckpoint(dirpath)``::
+
+    <dirpath>/
+        latest                        name of the newest committed step dir; a hint, never trusted
+                                      (elastic/callback.py FleetCheckpoint._commit, rank 0)
+        step-000000012/               a committed checkpoint: the temporary dir renamed into place (_commit, rank 0)
+            manifest.json             written last, by rank 0: the :class:`Manifest` (format, step, world size, plan,
+                                      global batch, model structure, data-order seed, every file's bytes and sha256)
+            rank-00000.pt ...         each rank's RNG states, plain tensors and numbers (FleetCheckpoint.save, every rank)
+            state/                    Lightning's DeepSpeed save dir (trainer.save_checkpoint, every rank):
+                latest                    DeepSpeed's pointer to its tag
+                checkpoint/               DeepSpeed's shards under the tag Lightning saves with (:data:`TAG`)
+                fleet_layout.json         how to rebuild full weights offline (runtime.deepspeed.weights, rank 0)
+                fleet_unstaged.pt         pipeline plans only: tensors no pipeline layer holds (runtime.deepspeed.weights, rank 0)
+            universal/                DeepSpeed's universal form for resharding, written after the commit and so not
+                                      in the manifest (runtime/deepspeed/universal.make_universal, rank 0):
+                .complete                 written last: the conversion finished
+                latest_universal          DeepSpeed's pointer to the universal tag
+                checkpoint/               per-parameter fp32 weights and optimizer moments
+            .tmp-universal/           a conversion in progress (replaced by the next one)
+        .tmp-step-000000015/          a save in progress: never resumed, removed by the next save
+        set-aside/                    checkpoints moved out of the way (resume='if_compatible'/'never'): never resumed or
+                                      pruned
+
+A checkpoint counts only if :func:`verify` accepts it: its manifest parses into a :class:`Manifest` and every file
+it lists is there with its size and sha256.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any, Mapping
+
+from lightning_fleet.planning import FleetError
+
+# --- names and paths ----------------------------------------------------------------------------------------------
+
+LATEST = "latest"
+"""File in the checkpoint directory naming the newest committed step dir (a hint: resume scans and verifies)."""
+STEP_PREFIX = "step-"
+"""Committed checkpoints are ``step-`` + the optimizer step in 9 digits."""
+TMP_PREFIX = ".tmp-"
+"""A directory being written under its final name with this prefix; renamed into place when complete."""
+ABANDONED_GLOB = f"{TMP_PREFIX}{STEP_PREFIX}*"
+"""Glob of temporary step dirs in the checkpoint directory (saves that never committed)."""
+SET_ASIDE = "set-aside"
+"""Subdirectory of a checkpoint dir that holds checkpoints moved out of the way (never resumed, never pruned)."""
+MANIFEST = "manifest.json"
+"""The manifest file of a step dir, written last."""
+MANIFEST_FORMAT = 1
+"""The manifest format this module writes and reads."""
+STATE = "state"
+"""Subdirectory of a step dir that Lightning's DeepSpeed strategy saves into (``trainer.save_checkpoint``)."""
+TAG = "checkpoint"
+"""The tag under which Lightning's DeepSpeedStrategy.save_checkpoint saves (``engine.save_checkpoint(tag=...)``), i.e.
+the subdirectory of ``state/`` (and of ``universal/``) holding DeepSpeed's files."""
+DEEPSPEED_LATEST = "latest"
+"""DeepSpeed's own file in ``state/`` naming its tag (not the checkpoint directory's :data:`LATEST` hint)."""
+EXPORT_LAYOUT = "fleet_layout.json"
+"""File name of the export layout inside ``state/`` (next to DeepSpeed's ``latest`` and the tag directory)."""
+UNSTAGED = "fleet_unstaged.pt"
+"""Under pipeline parallelism, in ``state/``: the module's tensors no pipeline layer holds (DeepSpeed saves only
+the layers)."""
+UNIVERSAL = "universal"
+"""Subdirectory of a step dir holding its universal (layout-free) form, written when resharding."""
+UNIVERSAL_DONE = ".complete"
+"""File written last into ``universal/``: the conversion finished and the folder can be loaded."""
+UNIVERSAL_LATEST = "latest_universal"
+"""DeepSpeed's file in ``universal/`` naming the tag it loads with ``load_universal`` (DeepSpeed 0.19.8
+engine.load_checkpoint)."""
+
+_STEP_DIR = re.compile(rf"^{STEP_PREFIX}(\d{{9}})$")
+
+
+def step_dir_name(step: int) -> str:
+    """Directory name of the checkpoint taken after ``step`` optimizer steps."""
+    return f"{STEP_PREFIX}{step:09d}"
+
+
+def step_of(name: str) -> int | None:
+    """The step of a committed checkpoint's directory name; None for any other name."""
+    match = _STEP_DIR.match(name)
+    return int(match.group(1)) if match else None
+
+
+def tmp_name(name: str) -> str:
+    """Name of the temporary directory a save or conversion writes before renaming it to ``name``."""
+    return f"{TMP_PREFIX}{name}"
+
+
+def state_dir(step_dir: Path) -> Path:
+    """Lightning's DeepSpeed save dir of a checkpoint."""
+    return step_dir / STATE
+
+
+def deepspeed_files(step_dir: Path) -> Path:
+    """The directory of DeepSpeed's shards of a checkpoint (``state/<tag>``)."""
+    return state_dir(step_dir) / TAG
+
+
+def rank_file_name(rank: int) -> str:
+    """File name of one rank's RNG states."""
+    return f"rank-{rank:05d}.pt"
+
+
+def rank_file(step_dir: Path, rank: int) -> Path:
+    """Where one rank's RNG states of a checkpoint live."""
+    return step_dir / rank_file_name(rank)
+
+
+def universal_dir(step_dir: Path) -> Path:
+    """Where the layout-free (universal) form of a checkpoint lives."""
+    return step_dir / UNIVERSAL
+
+
+# --- the manifest -------------------------------------------------------------------------------------------------
+
+
+class ManifestError(FleetError):
+    """A manifest that is not what FleetCheckpoint writes; the message names the field and what is wrong with it."""
+
+
+@dataclass(frozen=True, slots=True)
+class FileEntry:
+    """What the manifest records of one file of a checkpoint."""
+
+    bytes: int
+    """Its size."""
+    sha256: str
+    """Hex sha256 of its content."""
+
+
+@dataclass(frozen=True, slots=True)
+class TensorFact:
+    """One parameter or buffer of the module that wrote a checkpoint."""
+
+    name: str
+    """Its state_dict key."""
+    shape: tuple[int, ...]
+    """Its shape (``()`` for a scalar)."""
+    dtype: str
+    """Its dtype without the ``torch.`` prefix, e.g. ``float32``."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFacts:
+    """The structure of the module that wrote a checkpoint (elastic/compatibility.model_facts computes it)."""
+
+    sha256: str
+    """Digest of the tensor list (equal digests: equal structure)."""
+    tensors: tuple[TensorFact, ...]
+    """Every parameter and buffer in state_dict order."""
+
+    def to_json(self) -> dict[str, Any]:
+        """The manifest's ``model`` entry: ``{"sha256": ..., "tensors": [[name, [shape...], dtype], ...]}``."""
+        return {"sha256": self.sha256, "tensors": [[t.name, list(t.shape), t.dtype] for t in self.tensors]}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Manifest:
+    """The typed ``manifest.json`` of a committed checkpoint; its JSON form is what FleetCheckpoint has always written."""
+
+    format: int = MANIFEST_FORMAT
+    """Manifest format (:data:`MANIFEST_FORMAT`)."""
+    step: int
+    """Optimizer steps taken when the checkpoint was written."""
+    world_size: int
+    """Processes that wrote it."""
+    plan: str | None
+    """The plan that was trained (``str(Plan)``), None if the strategy had none."""
+    global_batch_size: int | None
+    """The plan's global batch, None if the strategy had no plan."""
+    model: ModelFacts | None
+    """The module's structure; None for checkpoints written before it was recorded (absent from the JSON)."""
+    data_seed: int | None
+    """The data-order seed; None for checkpoints written before it was recorded (absent from the JSON)."""
+    files: Mapping[str, FileEntry] = field(hash=False)
+    """Every file of the checkpoint but the manifest, by path relative to the step dir (``/``-separated)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "files", dict(self.files))  # a copy: the caller's dict cannot change it
+        if self.format != MANIFEST_FORMAT:
+            raise ManifestError(f"manifest has format {self.format!r}; this lightning_fleet reads format {MANIFEST_FORMAT}")
+        bounds = (("step", self.step, 0), ("world_size", self.world_size, 1), ("global_batch_size", self.global_batch_size, 1))
+        for name, value, least in bounds:
+            if value is not None and value < least:
+                raise ManifestError(f"manifest field {name!r} is {value}, expected at least {least}")
+        for name, entry in self.files.items():
+            _check_file_name(name)
+            if entry.bytes < 0 or not _SHA256.match(entry.sha256):
+                raise ManifestError(f"manifest entry for file {name!r} has bytes={entry.bytes!r}, sha256={entry.sha256!r}")
+
+    def to_json(self) -> str:
+        """The manifest file's text (``model`` and ``data_seed`` only when recorded), byte for byte as always written."""
+        data: dict[str, Any] = {
+            "format": self.format,
+            "step": self.step,
+            "world_size": self.world_size,
+            "plan": self.plan,
+            "global_batch_size": self.global_batch_size,
+            "files": {name: {"bytes": e.bytes, "sha256": e.sha256} for name, e in self.files.items()},
+        }
+        if self.model is not None:
+            data["model"] = self.model.to_json()
+        if self.data_seed is not None:
+            data["data_seed"] = self.data_seed
+        return json.dumps(data, indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Manifest:
+        """Parse a manifest file's text; raise :class:`ManifestError` naming what is wrong (not JSON, a missing,
+        unknown or ill-typed field)."""
+        try:
+            data = json.loads(text)
+        except ValueError as err:  # JSONDecodeError, or bytes that are not UTF-8 (a flipped byte)
+            is_json = isinstance(err, json.JSONDecodeError)
+            detail = f"{err.msg} at line {err.lineno} column {err.colno}" if is_json else type(err).__name__
+            raise ManifestError(f"manifest is not valid JSON ({detail})") from None
+        table = _object(data, "manifest")
+        if "format" not in table:
+            raise ManifestError("manifest has no 'format' field")
+        if _int(table["format"], "format") != MANIFEST_FORMAT:
+            raise ManifestError(f"manifest has format {table['format']!r}; this lightning_fleet reads format {MANIFEST_FORMAT}")
+        unknown = sorted(set(table) - _FIELDS)
+        if unknown:
+            known = ", ".join(sorted(_FIELDS))
+            raise ManifestError(f"manifest has unknown field {unknown[0]!r} (format {MANIFEST_FORMAT} has {known})")
+        missing = [name for name in _REQUIRED if name not in table]
+        if missing:
+            raise ManifestError(f"manifest has no {missing[0]!r} field")
+        gbs = table["global_batch_size"]
+        return cls(
+            format=MANIFEST_FORMAT,
+            step=_int(table["step"], "step"),
+            world_size=_int(table["world_size"], "world_size"),
+            plan=None if table["plan"] is None else _str(table["plan"], "plan"),
+            global_batch_size=None if gbs is None else _int(gbs, "global_batch_size"),
+            model=_model(table["model"]) if "model" in table else None,
+            data_seed=_int(table["data_seed"], "data_seed") if "data_seed" in table else None,
+            files={name: _file_entry(name, entry) for name, entry in _object(table["files"], "manifest field 'files'").items()},
+        )
+
+
+_REQUIRED = ("step", "world_size", "plan", "global_batch_size", "files")
+_FIELDS = frozenset({"format", *_REQUIRED, "model", "data_seed"})
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+_JSON_KINDS = {type(None): "null", bool: "boolean", int: "number", float: "number", str: "string", list: "array", dict: "object"}
+
+
+def _kind(value: Any) -> str:
+    """The JSON name of a parsed value's type."""
+    return _JSON_KINDS.get(type(value), type(value).__name__)
+
+
+def _object(value: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ManifestError(f"{where} is a JSON {_kind(value)}, expected an object")
+    return value
+
+
+def _int(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ManifestError(f"manifest field {name!r} is {value!r} ({_kind(value)}), expected an integer")
+    return value
+
+
+def _str(value: Any, name: str) -> str:
+    if not isinstance(value, str):
+        raise ManifestError(f"manifest field {name!r} is {value!r} ({_kind(value)}), expected a string")
+    return value
+
+
+def _check_file_name(name: str) -> None:
+    """A listed file must lie inside the step dir: relative, no ``..``, not the manifest itself."""
+    path = PurePosixPath(name)
+    if not name or path.is_absolute() or ".." in path.parts or name == MANIFEST:
+        raise ManifestError(f"manifest lists file {name!r}, which is not a file inside the checkpoint")
+
+
+def _file_entry(name: str, entry: Any) -> FileEntry:
+    table = _object(entry, f"manifest entry for file {name!r}")
+    if set(table) != {"bytes", "sha256"}:
+        raise ManifestError(f"manifest entry for file {name!r} has fields {sorted(table)}, expected ['bytes', 'sha256']")
+    size, digest = table["bytes"], table["sha256"]
+    if isinstance(size, bool) or not isinstance(size, int) or not isinstance(digest, str):
+        raise ManifestError(f"manifest entry for file {name!r} has bytes={size!r}, sha256={digest!r}")
+    return FileEntry(bytes=size, sha256=digest)
+
+
+def _model(value: Any) -> ModelFacts:
+    table = _object(value, "manifest field 'model'")
+    if set(table) != {"sha256", "tensors"} or not isinstance(table["sha256"], str) or not isinstance(table["tensors"], list):
+        raise ManifestError("manifest field 'model' is not {'sha256': <hex>, 'tensors': [[name, [shape...], dtype], ...]}")
+    return ModelFacts(sha256=table["sha256"], tensors=tuple(_tensor(entry) for entry in table["tensors"]))
+
+
+def _tensor(entry: Any) -> TensorFact:
+    ok = isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str) and isinstance(entry[2], str)
+    shape = entry[1] if ok else None
+    if not (isinstance(shape, list) and all(isinstance(n, int) and not isinstance(n, bool) for n in shape)):
+        raise ManifestError(f"manifest field 'model' lists tensor {entry!r}, expected [name, [shape...], dtype]")
+    return TensorFact(name=entry[0], shape=tuple(shape), dtype=entry[2])
+
+
+# --- verification -------------------------------------------------------------------------------------------------
+
+
+def sha256_of(path: Path) -> str:
+    """Hex sha256 of a file, read in 4 MiB chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(4 * 1024 * 1024), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def entry_of(path: Path) -> FileEntry:
+    """The manifest entry of a file as it is on disk (hashes it)."""
+    return FileEntry(bytes=path.stat().st_size, sha256=sha256_of(path))
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """Whether a checkpoint directory can be resumed from, and if not, why; carries the manifest read to decide it."""
+
+    path: Path
+    """The checkpoint directory."""
+    ok: bool
+    """The manifest parses and every file it lists is there with its size and hash."""
+    reason: str
+    """Why it cannot be used ('' when ok)."""
+    manifest: Manifest | None
+    """The parsed manifest (None when missing or malformed; always set when ok)."""
+
+
+def verify(step_dir: Path) -> Verdict:
+    """Check a checkpoint directory against its manifest, hashing every listed file once; name the first problem."""
+    manifest_path = step_dir / MANIFEST
+    if not manifest_path.is_file():
+        return Verdict(step_dir, False, "no manifest (the save did not finish)", None)
+    try:
+        manifest = Manifest.from_json(manifest_path.read_bytes())
+    except ManifestError as err:
+        return Verdict(step_dir, False, str(err), None)
+    for name, entry in manifest.files.items():
+        problem = _file_problem(step_dir / name, name, entry)
+        if problem:
+            return Verdict(step_dir, False, problem, manifest)
+    return Verdict(step_dir, True, "", manifest)
+
+
+def _file_problem(path: Path, name: str, entry: FileEntry) -> str:
+    """'' when the file is there with the recorded size and hash, else what is wrong with it."""
+    if not path.is_file():
+        return f"file {name} is missing"
+    size = path.stat().st_size
+    if size != entry.bytes:
+        return f"file {name} has {size} bytes, the manifest says {entry.bytes} (truncated or overwritten)"
+    if sha256_of(path) != entry.sha256:
+        return f"file {name} does not match its sha256 (corrupted)"
+    return ""

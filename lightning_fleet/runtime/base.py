@@ -1,0 +1,310 @@
+"""What a runtime can execute, stated once: :class:`Capabilities`; what a user's module offers it: :class:`ModuleHooks`;
+and how a runtime applies a decision: the :class:`Backend` protocol.
+
+A runtime's capabilities turn into planner :class:`~lightning_fleet.planning.Constraints` (what the search may
+choose), and refuse, in one line, a plan a user fixed that the runtime cannot execute for their module. The
+planner, the strategy, ``fleet plan --runtime`` and the benchmarks all read the same value.
+
+Pure: imports only the standard library and :mod:`lightning_fleet.planning` (no torch, no deepspeed); imported by
+the runtimes (``runtime/deepspeed/``), the module's hooks (:mod:`lightning_fleet.hooks`), the decision, the strategy
+and the CLI.
+
+The rules between two plan fields that define what the cost model's offload, sp and vpp *mean* (offload needs
+ZeRO >= 1, sp needs tp > 1, ...) are not runtime limits: they stay in ``Plan.__post_init__`` (planning/plan.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable, Protocol
+
+from lightning_fleet.planning import Constraints, FleetError, Offload, PartialPlan, Plan, Recompute
+from lightning_fleet.planning.plan import DEFAULT_ORDER, field_text
+
+if TYPE_CHECKING:
+    from lightning_fleet.elastic.layout import Manifest
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TensorParallelSpec:
+    """Which Linear weights tensor parallelism splits: regexes over parameter names (the ``fleet_tensor_parallel()``
+    hook's patterns; DeepSpeed's AutoTP reads them as its ``partition_config``)."""
+
+    column: tuple[str, ...]
+    """Weights split along the output dimension (QKV, MLP up-projection)."""
+    row: tuple[str, ...]
+    """Weights split along the input dimension (attention output, MLP down-projection)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModuleHooks:
+    """What a user's module offers a runtime (:func:`lightning_fleet.hooks.module_hooks` reads it off a module)."""
+
+    name: str
+    """The module's class name, as error messages say it."""
+    tensor_parallel: bool
+    """It defines ``fleet_tensor_parallel()`` (head count and the weights to split)."""
+    pipeline: bool
+    """It defines ``fleet_pipeline()`` (the forward pass as a sequence of layers and a loss) and has a layer stack
+    (the stages are balanced over it)."""
+    layers: bool
+    """A layer stack was found: ``fleet_layers()``, or the largest ModuleList/Sequential of one repeated type."""
+    automatic_optimization: bool
+    """Lightning steps the optimizer (False: ``training_step`` steps it itself, manual optimization)."""
+
+    @classmethod
+    def assumed(cls, name: str = "the model") -> "ModuleHooks":
+        """Every hook present and automatic optimization: for planning a model spec offline (``fleet plan``, the
+        benchmarks), where no module exists yet and the plan says which hooks the module will need."""
+        return cls(name=name, tensor_parallel=True, pipeline=True, layers=True, automatic_optimization=True)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Capabilities:
+    """What one runtime executes. Every limit is a field, with the reason it exists."""
+
+    name: str
+    """How ``fleet plan --runtime`` and the registry (:func:`lightning_fleet.runtime.capabilities_of`) name it."""
+    label: str
+    """How messages name it ("DeepSpeed")."""
+    sequence_parallel: bool
+    """Runs Megatron-style sequence parallelism (sp=true)."""
+    interleaved_pipeline: bool
+    """Runs interleaved pipeline schedules (vpp > 1)."""
+    max_zero_with_pp: int
+    """Highest ZeRO stage it runs together with pp > 1."""
+    tp_with_pp: bool
+    """Runs tensor parallelism inside a pipeline (tp > 1 with pp > 1)."""
+    offload_with_pp: bool
+    """Runs host offload inside a pipeline."""
+    any_placement: bool
+    """Places the axes on ranks in any order (False: the default tp-dp-pp only)."""
+    selective_recompute: bool
+    """Runs selective recomputation (the attention core only)."""
+    full_recompute_needs_layers: bool
+    """Full recomputation wraps the layers of the module's layer stack: without one it cannot."""
+    tp_needs_hook: bool
+    """Tensor parallelism needs ``fleet_tensor_parallel()`` (which weights to split, and how)."""
+    pp_needs_hook: bool
+    """A pipeline needs ``fleet_pipeline()`` and a layer stack (:attr:`ModuleHooks.pipeline`)."""
+    pp_needs_automatic_optimization: bool
+    """A pipeline runs forward, backward and the optimizer step itself: not with the user's own optimization loop."""
+    reshard_zero_stages: tuple[int, ...]
+    """ZeRO stages a checkpoint written at another world size can be resharded into."""
+    reshard_data_parallel_only: bool
+    """Only data-parallel plans (tp=1, pp=1) are resharded into (their per-rank layouts have a verified conversion)."""
+
+    def constraints(
+        self,
+        hooks: ModuleHooks,
+        *,
+        allow_offload: bool = True,
+        require_offload: bool = False,
+        max_tp: int | None = None,
+        max_pp: int | None = None,
+        zero_stages: tuple[int, ...] = (0, 1, 2, 3),
+    ) -> Constraints:
+        """What this runtime executes for a module with ``hooks``, as planner constraints, narrowed by the job's
+        options (``max_tp``/``max_pp`` None or 0: no limit beyond the model and the world)."""
+        return Constraints(
+            allow_sp=self.sequence_parallel,
+            max_vpp=None if self.interleaved_pipeline else 1,
+            max_zero_with_pp=self.max_zero_with_pp,
+            search_placement=self.any_placement,
+            tp_with_pp=self.tp_with_pp,
+            offload_with_pp=self.offload_with_pp,
+            allow_offload=allow_offload,
+            require_offload=require_offload,
+            recompute=self._recompute_modes(hooks),
+            max_tp=(max_tp or None) if self._runs_tp(hooks) else 1,
+            max_pp=(max_pp or None) if self._runs_pp(hooks) else 1,
+            zero_stages=zero_stages,
+        )
+
+    def reshard_constraints(
+        self,
+        hooks: ModuleHooks,
+        *,
+        allow_offload: bool,
+        require_offload: bool,
+        zero_stages: tuple[int, ...],
+        checkpoint: str,
+    ) -> Constraints:
+        """:meth:`constraints` for a job that reshards ``checkpoint`` (written at another world size); FleetError when
+        the job's ``zero_stages`` leave none this runtime reshards into."""
+        stages = tuple(z for z in zero_stages if z in self.reshard_zero_stages)
+        if not stages:
+            raise FleetError(
+                f"checkpoint {checkpoint} must be resharded to this job's world size, which needs ZeRO stage "
+                f"{_either(self.reshard_zero_stages)}, but FleetStrategy(zero_stages={zero_stages}): allow one of them"
+            )
+        base = self.constraints(hooks, allow_offload=allow_offload, require_offload=require_offload, zero_stages=stages)
+        return dataclasses.replace(base, max_tp=1, max_pp=1) if self.reshard_data_parallel_only else base
+
+    def refusal(self, plan: Plan | PartialPlan, hooks: ModuleHooks) -> str | None:
+        """Why this runtime cannot execute ``plan`` (its fixed axes, for a partial one) for a module with ``hooks``, in
+        one line; None when it can. The job's own limits (zero_stages, allow_offload, max_tp, ...) are not judged here."""
+        tp, pp, zero = plan.tp or 1, plan.pp or 1, plan.zero or 0
+        offloads = plan.offload not in (None, Offload.NONE)
+        if tp > 1 and not self._runs_tp(hooks):
+            return f"plan {plan} has tp={tp}, but {hooks.name} defines no fleet_tensor_parallel() hook: add it or use tp=1"
+        if pp > 1 and not self._runs_pp(hooks):
+            return f"plan {plan} has pp={pp}, but {hooks.name} {self._no_pipeline_because(hooks)}"
+        if pp > 1 and (tp > 1 and not self.tp_with_pp or offloads and not self.offload_with_pp or zero > self.max_zero_with_pp):
+            return f"plan {plan}: {self.label}'s pipeline engine runs {self._pipeline_limits()}"
+        if plan.sp and not self.sequence_parallel or (plan.vpp or 1) > 1 and not self.interleaved_pipeline:
+            return f"plan {plan}: {self.label} runs {self._missing_schedules()}"
+        if plan.recompute is Recompute.SELECTIVE and not self.selective_recompute:
+            return f"plan {plan}: selective recomputation needs attention internals; use recompute=full or none"
+        if plan.recompute is Recompute.FULL and Recompute.FULL not in self._recompute_modes(hooks):
+            return f"plan {plan}: recompute=full needs the layer stack: add fleet_layers() to {hooks.name}"
+        if plan.order not in (None, DEFAULT_ORDER) and not self.any_placement:
+            return (
+                f"plan {plan}: {self.label} places the axes {field_text(DEFAULT_ORDER)} only (it builds its own process groups, "
+                f"and the data order follows them); use order={field_text(DEFAULT_ORDER)} or leave order out"
+            )
+        return None
+
+    def check(self, partial: PartialPlan, constraints: Constraints, hooks: ModuleHooks) -> None:
+        """Raise FleetError (one line) unless the axes a user fixed are something this runtime executes for this module
+        and ``constraints`` (the job's zero_stages and offload setting) allow; the rest is :func:`planning.narrow`'s."""
+        why = self.refusal(partial, hooks)
+        if why:
+            raise FleetError(why)
+        if partial.zero is not None and partial.zero not in constraints.zero_stages:
+            raise FleetError(f"plan {partial}: zero={partial.zero} is outside zero_stages={constraints.zero_stages}")
+        if partial.offload not in (None, Offload.NONE) and not constraints.allow_offload:
+            raise FleetError(f"plan {partial} offloads, but allow_offload=False")
+
+    def _runs_tp(self, hooks: ModuleHooks) -> bool:
+        return hooks.tensor_parallel or not self.tp_needs_hook
+
+    def _runs_pp(self, hooks: ModuleHooks) -> bool:
+        has_hook = hooks.pipeline or not self.pp_needs_hook
+        return has_hook and (hooks.automatic_optimization or not self.pp_needs_automatic_optimization)
+
+    def _recompute_modes(self, hooks: ModuleHooks) -> tuple[Recompute, ...]:
+        modes = [Recompute.NONE]
+        if self.selective_recompute:
+            modes.append(Recompute.SELECTIVE)
+        if hooks.layers or not self.full_recompute_needs_layers:
+            modes.append(Recompute.FULL)
+        return tuple(modes)
+
+    def _no_pipeline_because(self, hooks: ModuleHooks) -> str:
+        if self.pp_needs_automatic_optimization and not hooks.automatic_optimization:
+            return "optimizes manually, and a pipeline runs forward, backward and step itself: use pp=1"
+        return "defines no fleet_pipeline() (and fleet_layers()) hook: add it or use pp=1"
+
+    def _pipeline_limits(self) -> str:
+        """'with zero <= 1, without tp and without offload' (what it lacks inside a pipeline)."""
+        limits = [f"zero <= {self.max_zero_with_pp}"] if self.max_zero_with_pp < 3 else []
+        without = [name for name, runs in (("tp", self.tp_with_pp), ("offload", self.offload_with_pp)) if not runs]
+        parts = (["with " + limits[0]] if limits else []) + [f"without {name}" for name in without]
+        return ", ".join(parts[:-1]) + " and " + parts[-1] if len(parts) > 1 else parts[0]
+
+    def _missing_schedules(self) -> str:
+        if not self.sequence_parallel and not self.interleaved_pipeline:
+            return "neither sequence parallelism nor interleaved pipelines; use sp=false, vpp=1"
+        if not self.sequence_parallel:
+            return "no sequence parallelism; use sp=false"
+        return "no interleaved pipelines; use vpp=1"
+
+
+def _either(stages: tuple[int, ...]) -> str:
+    """'1, 2 or 3'."""
+    names = [str(s) for s in stages]
+    return ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else "".join(names)
+
+
+ANY = Capabilities(
+    name="any",
+    label="any runtime",
+    sequence_parallel=True,
+    interleaved_pipeline=True,
+    max_zero_with_pp=3,
+    tp_with_pp=True,
+    offload_with_pp=True,
+    any_placement=True,
+    selective_recompute=True,
+    full_recompute_needs_layers=False,
+    tp_needs_hook=False,
+    pp_needs_hook=False,
+    pp_needs_automatic_optimization=False,
+    reshard_zero_stages=(0, 1, 2, 3),
+    reshard_data_parallel_only=False,
+)
+"""The cost model's whole space: every plan it can price, as if some runtime executed each (``fleet plan``'s default,
+for comparing layouts before choosing a runtime)."""
+
+
+class Backend(Protocol):
+    """How a runtime applies a Decision; the Lightning adapter (lightning_fleet/strategy.py) calls only these.
+
+    One implementation today, :class:`lightning_fleet.runtime.deepspeed.backend.DeepSpeedBackend`. A new runtime
+    states its :class:`Capabilities` (the planner, ``fleet plan --runtime`` and the benchmarks read them) and
+    implements these calls in its own package beside ``runtime/deepspeed/``.
+    """
+
+    capabilities: Capabilities
+    """What the runtime executes."""
+
+    def config(self, plan: Plan, *, gradient_clipping: float, device_type: str, tensor_parallel: TensorParallelSpec | None,
+               universal: bool) -> dict[str, Any]:
+        """The runtime's configuration of ``plan`` (``universal``: it will load a resharded checkpoint)."""
+        ...
+
+    def process_globals(self) -> Iterable[tuple[Any, str]]:
+        """Process-wide (object, attribute) pairs the runtime may replace while it builds an engine (put back after fit)."""
+        ...
+
+    def module_patches(self, module: Any, plan: Plan, layers: Any) -> list[tuple[Any, str, Any]]:
+        """(object, attribute, value) changes the user's module needs for one fit under ``plan`` (undone afterwards)."""
+        ...
+
+    def build(self, module: Any, optimizer: Any, scheduler: Any, *, plan: Plan, config: dict[str, Any], device_rank: int,
+              layer_type: str | None) -> tuple[Any, Any]:
+        """(engine, optimizer) executing ``plan`` over ``module`` on the live process group."""
+        ...
+
+    def accumulate(self, engine: Any, loss: Any) -> None:
+        """Backward of a micro-batch that is not its step's last."""
+        ...
+
+    def pipeline_step(self, engine: Any, micro_batches: list[Any]) -> Any:
+        """One whole optimizer step of a pipeline plan; returns the step's loss."""
+        ...
+
+    def gather_stages(self, engine: Any, module: Any) -> None:
+        """Every pipeline stage's current weights into every rank's module (collective)."""
+        ...
+
+    def save(self, engine: Any, directory: str | Path, client_state: dict[str, Any]) -> None:
+        """The engine's sharded checkpoint under ``directory`` with the trainer's client state (every rank)."""
+        ...
+
+    def load(self, engine: Any, directory: str | Path, *, optimizer_states: bool, strict: bool) -> dict[str, Any]:
+        """Load a checkpoint the engine's plan wrote (or a resharded one) and return the client state."""
+        ...
+
+    def reshard(self, step: Path, manifest: Manifest) -> Path:
+        """Rank 0: a checkpoint written at another world size, converted once into a form this runtime loads at any."""
+        ...
+
+    def record(self, module: Any) -> Any:
+        """What the user's module is before the runtime changes it (what :meth:`hand_back` restores)."""
+        ...
+
+    def hand_back(self, strategy: Any, record: Any) -> None:
+        """End of fit (collective): the user's module, plain again, holding the trained weights on every rank."""
+        ...
+
+    def write_layout(self, strategy: Any, directory: str | Path, record: Any) -> None:
+        """After :meth:`save`: whatever lets the checkpoint be read back as full weights without the model's code."""
+        ...
+
+    def state_of(self, step: Path) -> Path:
+        """Where a FleetCheckpoint step keeps this runtime's checkpoint."""
+        ...

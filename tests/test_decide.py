@@ -1,0 +1,153 @@
+"""The one decision of a fit (lightning_fleet/decide.py), without a process group or torch: fresh, continued and
+resharded jobs, what the user and the module fix, what the runtime refuses, and the report."""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+
+import pytest
+
+from lightning_fleet.decide import (
+    Decision,
+    JobOptions,
+    ModuleFacts,
+    Resume,
+    ResumeKind,
+    decide,
+    fixed_axes,
+    job_global_batch_size,
+    resume_of,
+)
+from lightning_fleet.elastic.layout import Manifest
+from lightning_fleet.planning import FleetError, Plan, estimate, parse_plan, plan
+from lightning_fleet.runtime.base import ModuleHooks
+from lightning_fleet.runtime.deepspeed.capabilities import DEEPSPEED
+from tests.conftest import make_cluster, make_model
+
+pytestmark = pytest.mark.pure
+
+GPT = dict(name="GPT", tensor_parallel=True, pipeline=True, layers=True, automatic_optimization=True)
+
+
+def facts(gbs: int = 32, batch_dependent: bool | None = False, loader_batch_size: int = 4, **hooks: object) -> ModuleFacts:
+    return ModuleFacts(
+        spec=make_model(layers=4, hidden=512, heads=8, seq=512, gbs=gbs),
+        hooks=ModuleHooks(**{**GPT, **hooks}),
+        loader_batch_size=loader_batch_size,
+        batch_dependent=batch_dependent,
+        profile_lines=("profiling: meta (exact)",),
+    )
+
+
+def manifest(plan_text: str, world: int, gbs: int = 32, step: int = 7) -> Manifest:
+    return Manifest(format=1, step=step, world_size=world, plan=plan_text, global_batch_size=gbs, model=None, data_seed=0, files={})
+
+
+def run(module: ModuleFacts, world: int = 8, resume: Resume = Resume(kind=ResumeKind.FRESH), **options: object) -> Decision:
+    cluster = make_cluster(devices_per_node=world)
+    return decide(module, cluster, world_size=world, options=JobOptions(**options), capabilities=DEEPSPEED, resume=resume)
+
+
+def test_a_fresh_decision_is_the_searched_best_plan_under_the_runtimes_capabilities():
+    module = facts()
+    decision = run(module)
+    cluster = make_cluster(devices_per_node=8)
+    best = plan(module.spec, cluster, top=3, constraints=DEEPSPEED.constraints(module.hooks)).best
+    assert decision.plan == best.plan and decision.estimate == best
+    assert decision.runtime == DEEPSPEED.name and decision.resume.kind is ResumeKind.FRESH
+    assert decision.plan.sp is False and decision.plan.vpp == 1  # DeepSpeed runs neither
+    assert decision.report[0].startswith("lightning_fleet plan for gpt-4x512")
+    assert "  profiling: meta (exact)" in decision.report
+    assert any(line.startswith("  chosen   " + str(decision.plan)) for line in decision.report)
+    assert not any("slower" in line and line.startswith("  misfit") for line in decision.report)  # by kind, not text
+
+
+def test_a_decision_is_a_frozen_value_that_pickles_as_broadcast():
+    decision = run(facts())
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        decision.plan = None  # type: ignore[misc]
+    assert pickle.loads(pickle.dumps(decision)) == decision
+
+
+def test_a_complete_plan_is_priced_not_searched():
+    text = "dp=8,tp=1,pp=1,zero=3,mbs=2,gas=2,recompute=none,sp=false,vpp=1,offload=none"
+    decision = run(facts(), plan=text)
+    assert str(decision.plan) == text
+    assert not any(line.startswith("  searched") for line in decision.report)
+    assert any("fixed    " in line and "FleetStrategy(plan=...)" in line for line in decision.report)
+
+
+def test_fixed_axes_say_why_in_the_report():
+    partial, notes = fixed_axes(facts(batch_dependent=True, loader_batch_size=4), JobOptions(plan="zero=1"))
+    assert partial.zero == 1 and partial.mbs == 4
+    assert any(note.startswith("fixed    mbs=4: the loss depends on the micro-batch") for note in notes)
+    partial, notes = fixed_axes(facts(batch_dependent=None), JobOptions(micro_batch_size=2))
+    assert partial.mbs == 2 and notes[-1] == "fixed    mbs=2 (FleetStrategy(micro_batch_size=...))"
+    partial, notes = fixed_axes(facts(batch_dependent=None), JobOptions())
+    assert partial.mbs is None and notes[-1].startswith("note     whether the loss depends on the micro-batch is unknown")
+    partial, notes = fixed_axes(facts(batch_dependent=True, loader_batch_size=5), JobOptions())
+    assert partial.mbs is None and "does not divide the global batch 32" in notes[-1]
+
+
+def test_manual_optimization_fixes_one_micro_batch_and_refuses_accumulation():
+    decision = run(facts(automatic_optimization=False))
+    assert decision.plan.gas == 1 and decision.plan.pp == 1
+    with pytest.raises(FleetError, match="steps its own optimizer once per training_step, so gas must be 1"):
+        run(facts(automatic_optimization=False), plan="gas=2")
+
+
+def test_what_the_runtime_cannot_run_is_refused_before_searching():
+    with pytest.raises(FleetError, match="defines no fleet_tensor_parallel"):
+        run(facts(tensor_parallel=False), plan="tp=2")
+    with pytest.raises(FleetError, match="sp=false"):
+        run(facts(), plan="tp=2,sp=true")
+
+
+def test_global_batch_comes_from_the_checkpoint_then_the_option_then_the_loader():
+    options = JobOptions(global_batch_size=64)
+    assert job_global_batch_size(options, loader_batch_size=4, world_size=2, manifest=manifest("dp=2,mbs=4,gas=2", 2, gbs=16)) == 16
+    assert job_global_batch_size(options, loader_batch_size=4, world_size=2, manifest=None) == 64
+    assert job_global_batch_size(JobOptions(), loader_batch_size=4, world_size=2, manifest=None) == 8
+
+
+def test_resume_kind_follows_the_world_size_and_refuses_resharding_model_parallel_checkpoints():
+    assert resume_of(None, None, 4).kind is ResumeKind.FRESH
+    same = resume_of("/c/step-000000007", manifest("dp=4,tp=1,pp=1,zero=2,mbs=2,gas=4", 4), 4)
+    assert same.kind is ResumeKind.CONTINUE and same.path == "/c/step-000000007"
+    assert resume_of("/c/s", manifest("dp=4,tp=1,pp=1,zero=2,mbs=2,gas=4", 4), 2).kind is ResumeKind.RESHARD
+    with pytest.raises(FleetError, match=r"needs a data-parallel checkpoint \(tp=1, pp=1\): relaunch with 4 processes"):
+        resume_of("/c/s", manifest("dp=2,tp=2,pp=1,zero=1,mbs=2,gas=8", 4), 2)
+
+
+def test_a_continued_checkpoint_keeps_its_plan_and_a_clash_is_one_line():
+    text = "dp=8,tp=1,pp=1,zero=2,mbs=1,gas=4,recompute=none,sp=false,vpp=1,offload=none"
+    resume = resume_of("/c/step-000000007", manifest(text, 8), 8)
+    decision = run(facts(), resume=resume)
+    assert str(decision.plan) == text and decision.resume == resume
+    assert decision.estimate == estimate(facts().spec, make_cluster(devices_per_node=8), parse_plan(text))
+    assert "  resumed  /c/step-000000007: its plan continues" in decision.report
+    with pytest.raises(FleetError, match="but this job fixes zero=3: drop those"):
+        run(facts(), resume=resume, plan="zero=3")
+    with pytest.raises(FleetError, match="which this job may not run"):
+        run(facts(), resume=resume, zero_stages=(3,))
+
+
+def test_a_resharded_checkpoint_is_replanned_data_parallel_with_zero_1_to_3():
+    resume = resume_of("/c/s", manifest("dp=4,tp=1,pp=1,zero=0,mbs=2,gas=4", 4), 8)
+    decision = run(facts(), resume=resume)
+    assert decision.plan.tp == decision.plan.pp == 1 and decision.plan.zero >= 1
+    assert decision.resume.kind is ResumeKind.RESHARD
+    with pytest.raises(FleetError, match="needs ZeRO stage 1, 2 or 3"):
+        run(facts(), resume=resume, zero_stages=(0,))
+
+
+def test_a_plan_string_fixed_order_other_than_the_runtimes_is_refused():
+    with pytest.raises(FleetError, match="order"):
+        run(facts(), plan="order=dp-tp-pp")
+
+
+def test_decision_model_is_the_priced_spec():
+    decision = run(facts())
+    assert decision.model == decision.estimate.model
+    assert isinstance(decision.plan, Plan)
