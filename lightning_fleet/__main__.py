@@ -1,4 +1,7 @@
-"""``python -m lightning_fleet`` runs the ``fleet`` command."""
+"""``python -m lightning_fleet`` runs the ``fleet`` command.
+
+Imports only the CLI; run as ``python -m lightning_fleet``.
+"""
 
 import sys
 

@@ -1,6 +1,9 @@
 """The ``fleet`` command: ``fleet plan``, ``fleet estimate``, ``fleet calibrate`` and ``fleet launch`` (also ``python -m lightning_fleet``).
 
 Every failure the user can cause ends in one line on stderr, ``fleet: error: ...``, and exit code 2.
+
+Imports the planning core, the runtimes' capabilities (pure) and, per command, what that command needs (export,
+calibrate, launch, plotting); imported by ``__main__`` and the ``fleet`` entry point only.
 """
 
 from __future__ import annotations

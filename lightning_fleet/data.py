@@ -17,6 +17,8 @@ epoch has ``len(order) // G`` steps (the incomplete tail is dropped); step ``g``
 A stream (``IterableDataset``) is read by every rank in full, one sample at a time, through a
 DataLoader with the user's worker options; each rank keeps its share of each consecutive group of
 ``G`` samples, so the stream must yield the same sequence on every rank (see :class:`StreamSteps`).
+
+Imports torch, the sampler and the RNG helpers; imported by the strategy (and tests).
 """
 
 from __future__ import annotations

@@ -7,6 +7,9 @@ DeepSpeed's ZeRO), one accelerator-detection warning and one comm-op banner per 
 Lightning's "initializing deepspeed distributed" per rank, and a pytree deprecation per rank; at every resume
 Lightning warns that the dataloader is not resumable, which is false here. None of them is actionable for a user
 of strategy "fleet". Every other warning and log record passes.
+
+Imports the standard library only (it must run before DeepSpeed is first imported); imported by the strategy and the
+CLI.
 """
 
 from __future__ import annotations

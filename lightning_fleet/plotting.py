@@ -1,4 +1,7 @@
-"""Plots of planner results (matplotlib, an optional extra: ``pip install lightning_fleet[plot]``)."""
+"""Plots of planner results (matplotlib, an optional extra: ``pip install lightning_fleet[plot]``).
+
+Imports matplotlib (the ``plot`` extra) and the planning core; imported by the CLI only (``fleet plan --plot``).
+"""
 
 from __future__ import annotations
 

@@ -29,6 +29,9 @@ Layers are the module's ``fleet_layers()`` (optional hook) or, without it, the l
 ``fleet_tensor_parallel()`` (optional hook) gives the head count and the AutoTP patterns, from which
 each layer's tensor-parallel all-reduces are counted. Both hooks must be pure: they are called on
 the module itself, and a malformed answer is a FleetError (both are read in :mod:`lightning_fleet.hooks`).
+
+Imports torch, the planning core and the module's hooks (lightning_fleet/hooks.py); imported by the strategy and the
+calibration probe.
 """
 
 from __future__ import annotations

@@ -7,6 +7,8 @@ Every ``Trainer(log_every_n_steps)`` optimizer steps, when the Trainer has no pr
 
 and at the end of training, progress bar or not, a summary: steps and samples, wall time, measured
 against predicted step time, the plan, the last loss, and where the checkpoints are.
+
+Imports Lightning's Callback and the planning core; imported by the strategy (which attaches it) and by users.
 """
 
 from __future__ import annotations

@@ -244,6 +244,13 @@ def test_every_known_exception_still_applies() -> None:
     assert not stale, f"exceptions that no longer apply: {stale}"
 
 
+def test_every_module_opens_with_what_lives_there_and_who_imports_it() -> None:
+    """A newcomer reads each file's first lines to find its room: they say what lives there and what may import it."""
+    silent = [name for name, path in modules().items()
+              if "import" not in (ast.get_docstring(ast.parse(path.read_text())) or "").lower()]
+    assert not silent, f"modules whose docstring does not say what may import them: {silent}"
+
+
 def test_the_import_graph_has_no_cycle() -> None:
     cycle = find_cycle(graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])

@@ -201,3 +201,31 @@ def test_a_resumed_job_continues_the_random_stream(tmp_path):
     resumed = train(tmp_path / "resumed", 6)
     for key, tensor in straight.items():
         assert torch.equal(tensor, resumed[key]), key
+
+
+@pytest.mark.unit
+def test_a_resume_reads_the_manifest_once_and_hashes_each_file_once(tmp_path, monkeypatch):
+    """The checkpoint a fit continues is verified once (every file hashed once, the manifest parsed once), on the rank that
+    decides; what follows (the decision, the load) reads that verified value."""
+    from lightning_fleet.elastic import layout
+
+    fit(tmp_path)
+    newest = committed(tmp_path / "ckpt")[0]
+    listed = set(Manifest.from_json((newest / MANIFEST).read_text()).files)
+    hashed: list[str] = []
+    parsed: list[int] = []
+    sha256_of, from_json = layout.sha256_of, Manifest.from_json.__func__
+
+    def counting_sha256(path):  # type: ignore[no-untyped-def]
+        hashed.append(str(path.relative_to(newest)))
+        return sha256_of(path)
+
+    def counting_from_json(cls, text):  # type: ignore[no-untyped-def]
+        parsed.append(1)
+        return from_json(cls, text)
+
+    monkeypatch.setattr(layout, "sha256_of", counting_sha256)
+    monkeypatch.setattr(Manifest, "from_json", classmethod(counting_from_json))
+    again = fit(tmp_path)  # the same max_steps: it resumes, trains nothing and saves nothing
+    assert again.strategy.resumed_from == newest and again.global_step == 2
+    assert sorted(hashed) == sorted(listed) and len(parsed) == 1

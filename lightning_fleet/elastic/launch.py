@@ -21,6 +21,9 @@ unroutable host took 158 s and printed C++ stack traces; a port that accepts con
 not a rendezvous store hung for good): the host must resolve, a remote endpoint must accept a TCP
 connection within ``read_timeout`` (torchrun's own store timeout, 60 s unless given), and the first
 rendezvous must start the workers within ``join_timeout + read_timeout``.
+
+Imports the standard library, torch's launcher and psutil (at call time) and elastic/worker.py's exit conventions;
+imported by the CLI only.
 """
 
 from __future__ import annotations

@@ -7,6 +7,8 @@ data-parallel rank ``r`` of ``dp`` takes the contiguous ``G/dp`` slice ``r`` of 
 (:func:`rank_share`) and cuts it into ``gas`` micro-batches of ``mbs``. A plan change (dp, mbs,
 gas) therefore never changes which samples form a step, and a single process with the whole batch
 sees the same samples.
+
+Imports torch only; imported by data.py and the strategy.
 """
 
 from __future__ import annotations

@@ -20,6 +20,8 @@ FleetError (every attempt would raise it again: the planning core's SpecError, P
 and whatever the strategy marks with :func:`deterministic`, e.g. an incompatible checkpoint) also ends a torchrun
 job at once, without spending its restarts: each node's local rank 0 sends SIGTERM to its torchrun agent, which
 stops its workers and exits 1 (``fleet launch`` exits 2).
+
+Imports torch.distributed (at call time) and the planning core's errors; imported by the strategy and elastic/launch.py.
 """
 
 from __future__ import annotations

@@ -14,6 +14,8 @@ YAML form (homogeneous)::
 A heterogeneous cluster replaces ``nodes/devices_per_node/device`` with
 ``groups: [{nodes: 2, devices_per_node: 8, device: {...}}, ...]``; it is planned homogeneously on
 the slowest, smallest device (:meth:`ClusterSpec.planning_device`).
+
+Pure (stdlib + yaml); imported across the planning core and by its users (decide, calibrate, the CLI, the strategy).
 """
 
 from __future__ import annotations

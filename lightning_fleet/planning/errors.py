@@ -1,4 +1,7 @@
-"""Errors of the planning core: each carries one line that says what is wrong and what to do."""
+"""Errors of the planning core: each carries one line that says what is wrong and what to do.
+
+Pure; imported by every module that raises a FleetError.
+"""
 
 from __future__ import annotations
 

@@ -3,6 +3,8 @@
 ``n`` is the number of parameters a pipeline stage holds before tensor parallelism (for gradients and
 optimizer states: the trainable ones, the caller passes those); every function returns bytes on ONE
 device of that stage.
+
+Pure; imported by estimate.py and search.py, and by the DeepSpeed config (its bucket size).
 """
 
 from __future__ import annotations

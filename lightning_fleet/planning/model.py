@@ -7,6 +7,8 @@ pipeline stage, ``layer`` blocks are split evenly across stages, ``post`` blocks
 
 Two ways to build one: :func:`transformer_model` from the decoder-only YAML (closed forms below)
 and, in :mod:`lightning_fleet.profiling`, by measuring a real ``nn.Module`` on the meta device.
+
+Pure (stdlib + yaml); imported across the planning core and by profiling.
 """
 
 from __future__ import annotations

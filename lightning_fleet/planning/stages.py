@@ -1,4 +1,7 @@
-"""What one pipeline stage holds: the per-sample sums over its blocks that the cost terms need."""
+"""What one pipeline stage holds: the per-sample sums over its blocks that the cost terms need.
+
+Pure; imported by the memory, time, estimate and search modules.
+"""
 
 from __future__ import annotations
 

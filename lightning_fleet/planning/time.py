@@ -5,6 +5,8 @@ forward, backward (2x forward, Narayanan 2021) and any recomputation, runs its t
 collectives (not overlapped, as in Megatron-LM) and its pipeline sends; the slowest stage sets
 the pace, the pipeline adds a bubble, data-parallel / ZeRO communication hides partly behind
 backward, and offload adds PCIe transfers and the CPU optimizer step.
+
+Pure; imported by estimate.py.
 """
 
 from __future__ import annotations

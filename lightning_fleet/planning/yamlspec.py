@@ -2,6 +2,8 @@
 
 Only ``yaml.safe_load`` is used, so Python tags (``!!python/object``) are refused. Unknown keys,
 missing required keys and values of the wrong type are errors that name the key and the file.
+
+Pure (stdlib + yaml, ``safe_load`` only); imported by the cluster and model specs and by calibration's cache.
 """
 
 from __future__ import annotations
