@@ -32,7 +32,7 @@ from lightning.pytorch.trainer.states import RunningStage, TrainerFn  # noqa: E4
 
 from lightning_fleet.calibrate.measure import WorldShape, across_ranks, cache_path, load_cached, measure_cluster, save_cache  # noqa: E402
 from lightning_fleet.data import TrainingData, example_batch, inspect_training_loader, step_loader  # noqa: E402
-from lightning_fleet.decide import Decision, JobOptions, ModuleFacts, ResumeKind, decide, job_global_batch_size, resume_of  # noqa: E402
+from lightning_fleet.decide import Decision, JobOptions, ModuleFacts, Resume, ResumeKind, decide, job_global_batch_size, resume_of  # noqa: E402
 from lightning_fleet.elastic.callback import FleetCheckpoint  # noqa: E402
 from lightning_fleet.elastic.checkpoint import refuse_unsafe_pickles  # noqa: E402
 from lightning_fleet.elastic.compatibility import RESUME_POLICIES, JobFacts, checkpoint_to_continue, job_facts  # noqa: E402
@@ -166,7 +166,8 @@ class FleetStrategy(DeepSpeedStrategy):
         self.profile: Profile | None = None
         """How the module was measured (method, fallbacks, what it means for the plan)."""
         self.startup_s: dict[str, float] = {}
-        """Seconds spent profiling, reading/measuring the cluster and deciding (incl. broadcast) at setup."""
+        """Seconds spent at setup reading/measuring the cluster, choosing (verifying) the checkpoint to continue, profiling,
+        and deciding (incl. broadcasts)."""
         self.resumed_from: Path | None = None
         """The checkpoint this fit resumed from (None for a fresh start)."""
         self._fit = _FitState()
@@ -322,27 +323,39 @@ class FleetStrategy(DeepSpeedStrategy):
         path, manifest = (str(chosen.path), chosen.manifest) if chosen is not None else (None, None)
         assert fit.data is not None
         gbs = job_global_batch_size(self.options, loader_batch_size=fit.data.batch_size, world_size=self.world_size, manifest=manifest)
-        module = self.lightning_module
-        self.profile = profile(module, example_batch(fit.data, fit.data.batch_size), global_batch_size=gbs, precision=_precision_of(trainer),
-                               name=type(module).__name__)
+        chosen_at = time.perf_counter()
+        facts = self._profile(trainer, fit.data, gbs)
         profiled = time.perf_counter()
-        facts = ModuleFacts(
-            spec=self.profile.spec,
-            hooks=module_hooks(module),
-            loader_batch_size=fit.data.batch_size,
-            batch_dependent=self.profile.batch_dependent,
-            profile_lines=tuple(self.profile.report_lines()),
-        )
 
         def decide_here() -> Decision:
             resume = resume_of(path, manifest, self.world_size)
-            decision = decide(facts, cluster, world_size=self.world_size, options=self.options, capabilities=self.backend.capabilities, resume=resume)
+            capabilities = self.backend.capabilities
+            decision = decide(facts, cluster, world_size=self.world_size, options=self.options, capabilities=capabilities, resume=resume)
             print("\n".join(decision.report), flush=True)  # logged once, by the rank that decided
             return decision
 
         decision = self._on_rank_zero(decide_here)
-        self.startup_s = {"cluster_s": measured - started, "profile_s": profiled - measured, "plan_s": time.perf_counter() - profiled}
+        self.startup_s = {
+            "cluster_s": measured - started,
+            "checkpoint_s": chosen_at - measured,
+            "profile_s": profiled - chosen_at,
+            "plan_s": time.perf_counter() - profiled,
+        }
         return decision
+
+    def _profile(self, trainer, data: TrainingData, global_batch_size: int) -> ModuleFacts:  # type: ignore[no-untyped-def]
+        """Profile the module on the first samples of its training data (every rank; nothing of the module changes) and
+        reduce the profile to what the decision needs."""
+        module = self.lightning_module
+        example = example_batch(data, data.batch_size)
+        self.profile = profile(module, example, global_batch_size=global_batch_size, precision=_precision_of(trainer), name=type(module).__name__)
+        return ModuleFacts(
+            spec=self.profile.spec,
+            hooks=module_hooks(module),
+            loader_batch_size=data.batch_size,
+            batch_dependent=self.profile.batch_dependent,
+            profile_lines=tuple(self.profile.report_lines()),
+        )
 
     def _resolve_cluster(self) -> ClusterSpec:
         """The cluster to plan for: the one given (its size checked against the job), else this machine's measurement
@@ -632,15 +645,23 @@ class FleetStrategy(DeepSpeedStrategy):
             if path.is_dir():
                 return lightning_checkpoint(path)
             return self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
-        strict = self.lightning_module.strict_loading
         resume = self.decision.resume if self.decision is not None else None
         if resume is None or resume.path is None or Path(resume.path) != path:
-            if (path / MANIFEST).is_file():  # only the step decided at setup is continued
-                raise FleetError(f"checkpoint {path} was not the one this fit decided to continue at setup; pass it as ckpt_path")
-            self._on_rank_zero(lambda: refuse_unsafe_pickles(path))
-            _check_is_directory(path)
-            return self.backend.load(self.deepspeed_engine, path, optimizer_states=True, strict=strict)
-        manifest = resume.manifest
+            return self._load_plain(path)
+        return self._load_decided(path, resume)
+
+    def _load_plain(self, path: Path) -> dict[str, Any]:
+        """A ``trainer.save_checkpoint`` dir given as ``ckpt_path`` (no manifest): its pickles screened, then loaded."""
+        if (path / MANIFEST).is_file():  # only the step decided at setup is continued
+            raise FleetError(f"checkpoint {path} was not the one this fit decided to continue at setup; pass it as ckpt_path")
+        self._on_rank_zero(lambda: refuse_unsafe_pickles(path))
+        _check_is_directory(path)
+        return self.backend.load(self.deepspeed_engine, path, optimizer_states=True, strict=self.lightning_module.strict_loading)
+
+    def _load_decided(self, path: Path, resume: Resume) -> dict[str, Any]:
+        """The FleetCheckpoint step the decision continues: its universal form when resharded, else its shards and this
+        rank's RNG state."""
+        manifest, strict = resume.manifest, self.lightning_module.strict_loading
         assert manifest is not None
         if resume.kind is ResumeKind.RESHARD:
             assert self._fit.universal is not None
