@@ -3,7 +3,8 @@
 Every failure the user can cause ends in one line on stderr, ``fleet: error: ...``, and exit code 2.
 
 Imports the planning core, the runtimes' capabilities (pure) and, per command, what that command needs (export,
-calibrate, launch, plotting); imported by ``__main__`` and the ``fleet`` entry point only.
+calibrate, launch, plotting; ``plan``/``estimate --module``: :mod:`lightning_fleet.offline`, which loads torch, so
+``--model`` never does); imported by ``__main__`` and the ``fleet`` entry point only.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import dataclasses
 import json
 import os
 import sys
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from lightning_fleet.planning import (
     ClusterSpec,
@@ -40,6 +41,9 @@ from lightning_fleet.planning.search import explain_misfit
 from lightning_fleet.runtime import RUNTIMES, capabilities_of
 from lightning_fleet.runtime.base import Capabilities, ModuleHooks
 
+if TYPE_CHECKING:
+    from lightning_fleet.offline import OfflineModule
+
 EXIT_USAGE = 2
 EXIT_PIPE = 128 + 13
 """The status a shell reports for coreutils killed by SIGPIPE (13) when the reader of their output exits (``| head``)."""
@@ -53,9 +57,14 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _add_specs(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help=f"model YAML path or preset ({', '.join(model_presets())})")
+    parser.add_argument("--model", help=f"model YAML path or preset ({', '.join(model_presets())})")
     parser.add_argument("--cluster", required=True, help=f"cluster YAML path or preset ({', '.join(cluster_presets())})")
-    parser.add_argument("--global-batch-size", type=int, help="override the model file's global_batch_size")
+    parser.add_argument(
+        "--global-batch-size",
+        type=int,
+        help="samples per optimizer step (default: the model file's; with --module the config's FleetStrategy "
+        "global_batch_size, else the example batch's size x the world size, as strategy='fleet' defaults)",
+    )
     parser.add_argument("--nodes", type=int, help="override the node count of a homogeneous cluster")
     parser.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
     parser.add_argument(
@@ -64,9 +73,36 @@ def _add_specs(parser: argparse.ArgumentParser) -> None:
         metavar="{" + ",".join(RUNTIMES) + "}",
         help="what must execute the plan: 'any' (default) plans and prices every layout the cost model knows; 'deepspeed' "
         "only what strategy='fleet' runs on DeepSpeed (no sp, no vpp, no selective recomputation, zero <= 1 and no tp "
-        "or offload with pp, the default placement), assuming the module provides fleet_tensor_parallel() and "
-        "fleet_pipeline()",
+        "or offload with pp, the default placement), for --model assuming the module provides fleet_tensor_parallel() "
+        "and fleet_pipeline(), for --module with the hooks it has",
     )
+    own = parser.add_argument_group(
+        "your own module, instead of --model",
+        "Builds the class once on the meta device (no weights; on the CPU with a note when it cannot), profiles it on an "
+        "example batch as strategy='fleet' does at fit (training_step; a plain nn.Module as module(batch), forward only) "
+        "and plans that. No GPU and no process group needed.",
+    )
+    own.add_argument("--module", metavar="CLASS", help="the module's class: pkg.mod:Class, pkg.mod.Class or file.py:Class")
+    own.add_argument("--init-args", metavar="MAPPING", help="its constructor's arguments as JSON or YAML, e.g. "
+                     "'{num_layers: 24}' (over the config's)")
+    own.add_argument("--config", metavar="FILE.yaml", help="a LightningCLI config: model (class_path/init_args, or the "
+                     "arguments), data, trainer.precision, trainer.strategy.init_args.global_batch_size")
+    own.add_argument("--batch", metavar="SPEC", help=f"the example batch: {BATCH_HELP}")
+    own.add_argument("--datamodule", metavar="CLASS", help="a LightningDataModule whose first training batch is the example "
+                     "batch (prepare_data and setup('fit') run; the data must be reachable); default: the config's data")
+    own.add_argument("--datamodule-args", metavar="MAPPING", help="its constructor's arguments, JSON or YAML (over the config's)")
+    own.add_argument("--precision", help="Lightning's spelling: 32-true (default), bf16-mixed, bf16-true, 16-mixed, 16-true "
+                     "(default: the config's trainer.precision)")
+
+
+_MODULE_FLAGS = ("module", "init_args", "config", "batch", "datamodule", "datamodule_args", "precision")
+"""The options that plan the user's own module (lightning_fleet.offline) instead of a model file."""
+BATCH_HELP = (
+    'a tensor dtype[dims] ("long[8,512]"), a tuple "(long[8,512], long[8,512])", a list "[...]" or a mapping '
+    '"{input_ids: long[8,512], labels: long[8,512]}", nested freely; dtypes are torch\'s names (float, bfloat16, half, '
+    "long, int, bool, ...); the first dim is the batch; integer tensors are zeros, floating ones standard normal"
+)
+"""The --batch grammar (lightning_fleet.offline.parse_batch reads it), stated once, here, for --help."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -111,21 +147,48 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _load(args: argparse.Namespace) -> tuple[ModelSpec, ClusterSpec]:
-    model = load_model(args.model)
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class _Job:
+    """What ``plan``/``estimate`` price: the model, the cluster, the module's hooks, and (for ``--module``) the
+    profiled module whose report is printed above the plan."""
+
+    model: ModelSpec
+    cluster: ClusterSpec
+    hooks: ModuleHooks
+    offline: "OfflineModule | None" = None
+
+
+def _load(args: argparse.Namespace) -> _Job:
     cluster = load_cluster(args.cluster)
-    if args.global_batch_size is not None:
-        if args.global_batch_size < 1:
-            raise FleetError(f"--global-batch-size must be >= 1, got {args.global_batch_size}")
-        model = dataclasses.replace(model, global_batch_size=args.global_batch_size)
     if args.nodes is not None:
         if args.nodes < 1:
             raise FleetError(f"--nodes must be >= 1, got {args.nodes}")
         cluster = cluster.with_nodes(args.nodes)
-    return model, cluster
+    if args.global_batch_size is not None and args.global_batch_size < 1:
+        raise FleetError(f"--global-batch-size must be >= 1, got {args.global_batch_size}")
+    given = [f"--{flag.replace('_', '-')}" for flag in _MODULE_FLAGS if getattr(args, flag) is not None]
+    if args.model is not None and given:
+        raise FleetError(f"--model plans a model file, {', '.join(given)} your own module: use one or the other")
+    if args.model is None and args.module is None and args.config is None:
+        raise FleetError("say what to plan: --model (a model YAML or preset) or --module pkg.mod:Class (your module)")
+    if args.model is None:
+        return _load_module(args, cluster)
+    model = load_model(args.model)
+    if args.global_batch_size is not None:
+        model = dataclasses.replace(model, global_batch_size=args.global_batch_size)
+    return _Job(model=model, cluster=cluster, hooks=ModuleHooks.assumed())
 
 
-def _constraints(args: argparse.Namespace, runtime: Capabilities) -> Constraints:
+def _load_module(args: argparse.Namespace, cluster: ClusterSpec) -> _Job:
+    """The user's module, profiled offline (lightning_fleet.offline loads torch; imported only here)."""
+    from lightning_fleet.offline import ModuleRequest, profile_offline
+
+    request = ModuleRequest(global_batch_size=args.global_batch_size, **{flag: getattr(args, flag) for flag in _MODULE_FLAGS})
+    offline = profile_offline(request, world_size=cluster.world_size)
+    return _Job(model=offline.spec, cluster=cluster, hooks=offline.hooks, offline=offline)
+
+
+def _constraints(args: argparse.Namespace, runtime: Capabilities, hooks: ModuleHooks, fixed: PartialPlan) -> Constraints:
     try:
         zero = tuple(int(z) for z in args.zero_stages.split(",") if z.strip())
     except ValueError:
@@ -133,19 +196,16 @@ def _constraints(args: argparse.Namespace, runtime: Capabilities) -> Constraints
     for flag in ("max_tp", "max_pp", "max_vpp"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise FleetError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    base = runtime.constraints(
-        ModuleHooks.assumed(), allow_offload=not args.no_offload, max_tp=args.max_tp, max_pp=args.max_pp, zero_stages=zero
-    )
+    base = runtime.constraints(hooks, allow_offload=not args.no_offload, max_tp=args.max_tp, max_pp=args.max_pp, zero_stages=zero)
     vpp_limits = [limit for limit in (base.max_vpp, args.max_vpp) if limit is not None]
     base = dataclasses.replace(base, max_vpp=min(vpp_limits, default=None), allow_sp=base.allow_sp and not args.no_sp)
-    fixed = parse_partial_plan(args.fix)
-    _refuse_unrunnable(runtime, fixed)
+    _refuse_unrunnable(runtime, fixed, hooks)
     return narrow(base, fixed)
 
 
-def _refuse_unrunnable(runtime: Capabilities, plan: Plan | PartialPlan) -> None:
-    """FleetError (one line: why) when ``runtime`` cannot execute ``plan`` for a module that has every hook."""
-    why = runtime.refusal(plan, ModuleHooks.assumed())
+def _refuse_unrunnable(runtime: Capabilities, plan: Plan | PartialPlan, hooks: ModuleHooks) -> None:
+    """FleetError (one line: why) when ``runtime`` cannot execute ``plan`` for a module with ``hooks``."""
+    why = runtime.refusal(plan, hooks)
     if why:
         raise FleetError(f"{why} (--runtime {runtime.name})")
 
@@ -270,31 +330,54 @@ def _run(argv: Sequence[str] | None) -> int:
         return _calibrate(args)
     if args.command == "export":
         return _export(args)
-    model, cluster = _load(args)
+    fixed = parse_partial_plan(args.fix) if args.command == "plan" else PartialPlan()  # a bad --fix fails before any build
+    job = _load(args)
+    model, cluster = job.model, job.cluster
     runtime = capabilities_of(args.runtime)
     if args.command == "estimate":
         chosen = parse_plan(args.plan, global_batch_size=model.global_batch_size)
-        _refuse_unrunnable(runtime, chosen)
+        _refuse_unrunnable(runtime, chosen, job.hooks)
         result = estimate(model, cluster, chosen)
+        _report(job, args, notes=())
         if args.json:
-            print(json.dumps(result.to_dict()))
+            print(json.dumps(_with_module(result.to_dict(), job)))
         else:
             _print_estimate(result, cluster)
         return 0
     if args.top < 1:
         raise FleetError(f"--top must be >= 1, got {args.top}")
-    result = plan(model, cluster, top=args.top, exhaustive=bool(args.plot), constraints=_constraints(args, runtime))
+    notes: tuple[str, ...] = ()
+    if job.offline is not None:
+        fixed, notes = job.offline.pinned(fixed)
+    constraints = _constraints(args, runtime, job.hooks, fixed)
+    result = plan(model, cluster, top=args.top, exhaustive=bool(args.plot), constraints=constraints)
     if args.plot:
         from lightning_fleet.plotting import plot_candidates
 
         plot_candidates(result, model, cluster, args.plot)
+    _report(job, args, notes=notes)
     if args.json:
-        print(json.dumps(result.to_dict()))
+        print(json.dumps(_with_module(result.to_dict(), job, notes)))
     else:
         _print_plan(result, model, cluster)
         if args.plot:
             print(f"plot written to {args.plot}")
     return 0
+
+
+def _report(job: _Job, args: argparse.Namespace, notes: Sequence[str]) -> None:
+    """The profiled module's report (what was built, the batch, the profiler's lines, the pinned axes), above the plan
+    table; nothing for a model file or with --json (the JSON object holds it)."""
+    if job.offline is not None and not args.json:
+        print("\n".join((*job.offline.lines, *notes)))
+
+
+def _with_module(obj: dict, job: _Job, notes: Sequence[str] = ()) -> dict:
+    """The JSON object, with ``"module"`` (lightning_fleet.offline.OfflineModule.to_dict) for --module."""
+    if job.offline is None:
+        return obj
+    module = job.offline.to_dict()
+    return {**obj, "module": {**module, "report": [*module["report"], *notes]}}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

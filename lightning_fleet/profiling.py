@@ -16,7 +16,13 @@ Three methods, tried in order (:class:`Method`):
     cost model takes backward as 2x forward (Narayanan 2021), so no backward pass is run. What meta
     tensors cannot do is stood in for and counted: ``.item()``/``bool()`` return a stand-in, boolean
     masks, ``nonzero`` and ``unique`` select everything (an upper bound), real tensors meeting meta
-    ones become meta, tensors created without a device land on meta.
+    ones become meta, tensors created without a device land on meta. ``scaled_dot_product_attention``
+    (however it is reached: ``F.``/``torch.nn.functional.``, a name imported from there,
+    ``nn.MultiheadAttention``/``nn.Transformer*`` with ``need_weights=False``) runs as the fused kernel
+    a GPU runs for it (FlashAttention-2 or memory-efficient attention): it keeps q, k, v, the output
+    and an fp32 logsumexp per head and query for backward, never the s x s probabilities the meta
+    device's math path keeps (``attention_kernel="math"`` prices the math path; see
+    :class:`AttentionKernel`). Attention written by hand (matmul, softmax) is measured as written.
 ``real``
     The same measurement on a real slice of the example batch (2 samples), on a copy whose
     parameters share the original's storage (no weight copy, no backward, no optimizer step, no
@@ -41,6 +47,7 @@ import dataclasses
 import inspect
 import math
 import re
+import threading
 import types
 from collections import Counter
 from collections.abc import Mapping
@@ -51,15 +58,16 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils.data import DataLoader, Dataset, Sampler
-from torch.utils.flop_counter import FlopCounterMode, flop_registry
+from torch.utils.flop_counter import FlopCounterMode, flop_registry, sdpa_flop_count
 
 from lightning_fleet import rng
 from lightning_fleet.hooks import find_layers, tensor_parallel_hook
-from lightning_fleet.planning import BlockSpec, ModelSpec, Precision, Role
-from lightning_fleet.planning.model import layer_act_replicated_bytes, layer_act_sharded_bytes, layer_elementwise
+from lightning_fleet.planning import BlockSpec, FleetError, ModelSpec, Precision, Role
+from lightning_fleet.planning.model import AttentionKernel, layer_act_replicated_bytes, layer_act_sharded_bytes, layer_elementwise
 from lightning_fleet.runtime.base import TensorParallelSpec
 
 aten = torch.ops.aten
@@ -542,7 +550,8 @@ class _OpCounter(TorchDispatchMode):
         inputs = _tensors((args, kwargs))
         self.recorder.use_storages(inputs)
         out = func(*args, **kwargs)
-        if func.overloadpacket not in flop_registry and not func.is_view and func.overloadpacket not in _NO_DATA_MOVED:
+        packet = func.overloadpacket
+        if packet not in flop_registry and packet is not _CPU_ATTENTION and not func.is_view and packet not in _NO_DATA_MOVED:
             elements = sum(t.numel() for t in _tensors(out) if t.is_floating_point())
             if elements and inputs:
                 self.recorder.add_elementwise(elements)
@@ -689,6 +698,175 @@ def _with_arg(func: Any, args: tuple, kwargs: dict, name: str, value: Any) -> tu
     return args, {**kwargs, name: value}
 
 
+# --- attention: scaled_dot_product_attention as the fused kernel a GPU runs ---------------------------
+
+
+_SDPA = torch._C._nn.scaled_dot_product_attention
+"""The builtin behind ``torch.nn.functional.scaled_dot_product_attention`` (the same object)."""
+FLASH_MAX_HEAD_DIM = 256
+"""Largest head dimension PyTorch's FlashAttention-2 takes (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp,
+``check_head_dim_size_flash``: "less than or equal to 256")."""
+BIAS_ALIGNMENT = 16
+"""Memory-efficient attention pads an attention bias whose key length is not a multiple of 16 (a copy; attention.cpp
+``preprocess_mask``, ``mem_eff_alignment = 16``)."""
+_PER_HEAD = -1
+"""The 'last dimension' under which a fused attention kernel's saved tensors are recorded: split by tp (per head)."""
+_CPU_ATTENTION = aten._scaled_dot_product_flash_attention_for_cpu
+"""PyTorch's fused CPU attention: what scaled_dot_product_attention runs on CPU tensors unless dropout is on (the real
+method). torch's flop counter has no formula for it; it gets its CUDA siblings' (``sdpa_flop``)."""
+
+
+def _cpu_attention_flops(query_shape: Any, key_shape: Any, value_shape: Any, *args: Any, **kwargs: Any) -> int:
+    """Forward FLOPs of the fused CPU attention: QK^T and PV (torch.utils.flop_counter ``sdpa_flop_count``)."""
+    return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+def _attention_arguments(
+    query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0, is_causal: bool = False, *,
+    scale: float | None = None, enable_gqa: bool = False,
+) -> tuple[Any, Any, Any, Any, float, bool, float | None]:
+    """A call's arguments by name, as ``scaled_dot_product_attention`` takes them (enable_gqa is validated by the
+    call itself: the fused kernels take fewer key/value heads natively)."""
+    return query, key, value, attn_mask, dropout_p, is_causal, scale
+
+
+def _fused_kernel(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, is_causal: bool, sixteen_bit: bool
+) -> tuple[str, str]:
+    """(kernel, '') for the fused kernel a CUDA GPU (sm80 or newer) runs for this call, or ('', why it runs the math
+    path too). PyTorch tries flash, then memory-efficient, then math (sdp_utils.cpp ``select_sdp_backend``): flash takes
+    no mask, 16-bit inputs only, equal head dims up to 256 and causal masks on square scores only; memory-efficient takes
+    fp32 too and a mask, with head dims a multiple of 8 (16-bit) or 4 (fp32) (``check_head_dim_size_mem_efficient``,
+    ``minimum_gemm_alignment``); both take grouped key/value heads (``supports_gqa``)."""
+    tensors = (q, k, v) if mask is None else (q, k, v, mask)
+    if any(type(t) not in (torch.Tensor, nn.Parameter) or t.is_nested or t.layout is not torch.strided for t in tensors):
+        return "", "tensor subclass or nested/sparse inputs"
+    if q.dim() not in (3, 4):
+        return "", f"{q.dim()}-d inputs"
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return "", f"{q.dtype} inputs (no fused kernel)"
+    d_q, d_k, d_v = q.shape[-1], k.shape[-1], v.shape[-1]
+    square = q.shape[-2] == k.shape[-2]
+    if mask is None and sixteen_bit and d_q == d_k == d_v <= FLASH_MAX_HEAD_DIM and (square or not is_causal):
+        return "flash", ""
+    alignment = 8 if sixteen_bit else 4
+    if d_q != d_k or d_q % alignment or d_v % alignment:
+        return "", f"head dims {d_q}/{d_k}/{d_v} are not equal multiples of {alignment}"
+    return "efficient", ""
+
+
+def _attention_bias(mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """The bias memory-efficient attention receives (attention.cpp ``convert_boolean_attn_mask``, ``preprocess_mask``):
+    a boolean mask as an additive one in the query's dtype, expanded to (batch, heads, queries, keys), padded to a
+    multiple of BIAS_ALIGNMENT keys when it is not one."""
+    if mask is None:
+        return None
+    if mask.dtype is torch.bool:
+        mask = torch.zeros_like(mask, dtype=q.dtype).masked_fill_(mask.logical_not(), float("-inf"))
+    bias = mask.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    if k.shape[2] % BIAS_ALIGNMENT:
+        bias = nn.functional.pad(bias, (0, BIAS_ALIGNMENT - k.shape[2] % BIAS_ALIGNMENT))[..., : k.shape[2]]
+    return bias
+
+
+def _run_fused(
+    kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, dropout_p: float, is_causal: bool,
+    scale: float | None,
+) -> torch.Tensor:
+    """The output of the fused aten operator on meta tensors: its meta kernel gives the shapes, its derivative formula
+    (tools/autograd/derivatives.yaml) what autograd keeps, the flop counter its FLOPs (torch.utils.flop_counter
+    ``sdpa_flop``). 3-d inputs are one batch of heads."""
+    unbatched = q.dim() == 3
+    if unbatched:
+        q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+    if kernel == "flash":
+        out = aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False, scale=scale)[0]
+    else:
+        grad = q.requires_grad or k.requires_grad or v.requires_grad  # the logsumexp is computed for backward only
+        bias = _attention_bias(mask, q, k)
+        out = aten._scaled_dot_product_efficient_attention(q, k, v, bias, grad, dropout_p, is_causal, scale=scale)[0]
+    return out.squeeze(0) if unbatched else out
+
+
+class _FusedAttention(TorchFunctionMode):
+    """Runs each ``scaled_dot_product_attention`` call of a meta step as the fused kernel a GPU runs for it, so that
+    what it keeps for backward is what that kernel keeps (no s x s probabilities); other calls pass through unchanged.
+
+    A function mode sees the builtin however the user reached it (``F.``, an imported name); inside torch's own
+    Python ``multi_head_attention_forward``, which a mode sees as one call, the function is reached through
+    ``torch.nn.functional``'s module global, routed here for that one call on this thread and restored after it."""
+
+    def __init__(self, recorder: "_Recorder", precision: Precision, kernel: AttentionKernel) -> None:
+        super().__init__()
+        self.recorder = recorder
+        self.kernel = kernel
+        self.sixteen_bit = precision is not Precision.FP32
+        self.fused: Counter[str] = Counter()  # calls priced as a fused kernel, by kernel
+        self.math: Counter[str] = Counter()  # calls left to the math path, by reason
+        self.device: Counter[str] = Counter()  # calls on real tensors (the real method), by device type
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if func is _SDPA:
+            return self.attention(*args, **kwargs)
+        if func is nn.functional.multi_head_attention_forward:
+            with self._routed():
+                return func(*args, **kwargs)
+        return func(*args, **kwargs)
+
+    def attention(self, *args: Any, **kwargs: Any) -> Any:
+        """One call: the fused kernel when the inputs are meta tensors and a GPU runs one for them, else the call as it
+        was made."""
+        try:
+            q, k, v, mask, dropout_p, is_causal, scale = _attention_arguments(*args, **kwargs)
+        except TypeError:
+            return _SDPA(*args, **kwargs)  # PyTorch's own error
+        if self.kernel is AttentionKernel.MATH:
+            self.math["attention_kernel='math'"] += 1
+            return _SDPA(*args, **kwargs)
+        tensors = [t for t in (q, k, v, mask) if isinstance(t, torch.Tensor)]
+        if tensors and not any(t.is_meta for t in tensors):  # the real method: the profiling device's own kernel runs
+            self.device[tensors[0].device.type] += 1
+            return _SDPA(*args, **kwargs)
+        if not all(t.is_meta for t in tensors):  # real tensors meeting meta ones become meta (as in _MetaFixups)
+            args, kwargs = pytree.tree_map_only(torch.Tensor, _meta, (args, kwargs))
+            q, k, v, mask, dropout_p, is_causal, scale = _attention_arguments(*args, **kwargs)
+        kernel, reason = _fused_kernel(q, k, v, mask, is_causal, self.sixteen_bit or q.dtype is not torch.float32)
+        if kernel:
+            with _disable_current_modes(), torch.no_grad():
+                expected = _SDPA(*args, **kwargs)  # PyTorch's own checks, and the output to match; free on meta
+            with torch.autograd.graph.saved_tensors_hooks(self.recorder.pack_attention, _unpacked):
+                out = _run_fused(kernel, q, k, v, mask, dropout_p, is_causal, scale)
+            if out.shape != expected.shape or out.dtype != expected.dtype:  # its costs are recorded: no quiet fallback
+                got, want = f"{out.dtype}{list(out.shape)}", f"{expected.dtype}{list(expected.shape)}"
+                raise RuntimeError(f"the {kernel} attention kernel gave {got}, scaled_dot_product_attention {want}")
+            self.fused[kernel] += 1
+            return out
+        self.math[reason] += 1
+        return _SDPA(*args, **kwargs)
+
+    @contextmanager
+    def _routed(self) -> Iterator[None]:
+        functional, thread = nn.functional, threading.get_ident()
+        original = functional.scaled_dot_product_attention
+        if original is not _SDPA:  # someone else replaced it: leave theirs alone
+            yield
+            return
+
+        def routed(*args: Any, **kwargs: Any) -> Any:
+            return self.attention(*args, **kwargs) if threading.get_ident() == thread else _SDPA(*args, **kwargs)
+
+        functional.scaled_dot_product_attention = routed
+        try:
+            yield
+        finally:
+            functional.scaled_dot_product_attention = original
+
+
+def _unpacked(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 # --- attributing costs to blocks ----------------------------------------------------------------------
 
 
@@ -698,12 +876,13 @@ class _Phase:
 
     storages: set[int] = field(default_factory=set)  # parameter storages its operators read
     flops: float = 0.0
-    saved: list[tuple[int, float]] = field(default_factory=list)  # (last dimension, bytes) per saved tensor
+    saved: list[tuple[int, float]] = field(default_factory=list)  # (last dimension or _PER_HEAD, bytes) per saved tensor
     output_bytes: float = 0.0
     elementwise: float = 0.0  # output elements of the operators that do no matmul
 
     def split_bytes(self, hidden: int) -> tuple[float, float]:
-        """(replicated, sharded) saved bytes: width-``hidden`` tensors stay whole under tp, wider ones are split."""
+        """(replicated, sharded) saved bytes: width-``hidden`` tensors stay whole under tp, wider ones and a fused
+        attention kernel's per-head tensors are split."""
         replicated = sum(b for dim, b in self.saved if dim in (hidden, 0))
         return replicated, sum(b for _, b in self.saved) - replicated
 
@@ -763,12 +942,20 @@ class _Recorder:
             self._phase().storages |= used
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
+        """Autograd keeps ``t`` for backward: its storage counts once, under its last dimension."""
+        return self._keep(t, t.shape[-1] if t.dim() else 0, self._scale(t))
+
+    def pack_attention(self, t: torch.Tensor) -> torch.Tensor:
+        """A fused attention kernel keeps ``t``: per head (split by tp); q, k, v, the output and a bias are in the
+        compute dtype, the logsumexp (fp32) and the RNG state keep theirs."""
+        return self._keep(t, _PER_HEAD, self._scale(t) if t.dim() == 4 else 1.0)
+
+    def _keep(self, t: torch.Tensor, dim: int, scale: float) -> torch.Tensor:
         storage = _storage_id(t)
         if storage not in self.state_storages and storage not in self.seen_storages:
             self.seen_storages.add(storage)
             self.kept.append(t)
-            nbytes = t.untyped_storage().nbytes() * self._scale(t)
-            self._phase().saved.append((t.shape[-1] if t.dim() else 0, nbytes))
+            self._phase().saved.append((dim, t.untyped_storage().nbytes() * scale))
         return t
 
     def finish(self) -> None:
@@ -818,9 +1005,20 @@ class _Measured:
     assumed: Counter[str]
     bounded: Counter[str]
     batchnorm: bool
+    fused_attention: Counter[str]  # scaled_dot_product_attention calls priced as a fused kernel, by kernel
+    math_attention: Counter[str]  # calls that ran the math path, by reason
+    device_attention: Counter[str]  # calls on real tensors, by device type
 
 
-def _measure(module: nn.Module, batch: Any, method: Method, global_batch_size: int, precision: Precision, name: str) -> _Measured:
+def _measure(
+    module: nn.Module,
+    batch: Any,
+    method: Method,
+    global_batch_size: int,
+    precision: Precision,
+    name: str,
+    attention_kernel: AttentionKernel,
+) -> _Measured:
     """Run the training step once on an isolated copy (meta, or a real slice) and turn what it used into a spec."""
     total = batch_size_of(batch)
     if total < 1:
@@ -838,10 +1036,12 @@ def _measure(module: nn.Module, batch: Any, method: Method, global_batch_size: i
         else:
             samples = min(REAL_SAMPLES, total)
             run_batch = _slice(batch, 0, samples, total, params[0].device if params else torch.device("cpu"))
-        recorder, ops, fixups = _record(clone, layers, run_batch, on_meta, precision)
+        recorder, ops, fixups, attention = _record(clone, layers, run_batch, on_meta, precision, attention_kernel)
         spec = _to_model_spec(clone, layers, recorder, tensor_parallel_hook(clone), samples, global_batch_size, precision, name)
         spec = dataclasses.replace(spec, forward_ops=ops, param_tensors=sum(1 for p in params if p.requires_grad))
-        return _Measured(spec, samples, fixups.assumed, fixups.bounded, recorder.batchnorm)
+        return _Measured(
+            spec, samples, fixups.assumed, fixups.bounded, recorder.batchnorm, attention.fused, attention.math, attention.device
+        )
     finally:
         _dismantle(clone)
 
@@ -853,20 +1053,22 @@ def _check_real_budget(module: nn.Module, batch: Any, total: int) -> None:
 
 
 def _record(
-    clone: nn.Module, layers: list[nn.Module], batch: Any, on_meta: bool, precision: Precision
-) -> tuple[_Recorder, int, _MetaFixups]:
-    """Run the step on ``batch`` with every counter attached: (recorder, operators dispatched, meta stand-ins)."""
+    clone: nn.Module, layers: list[nn.Module], batch: Any, on_meta: bool, precision: Precision, attention_kernel: AttentionKernel
+) -> tuple[_Recorder, int, _MetaFixups, _FusedAttention]:
+    """Run the step on ``batch`` with every counter attached: (recorder, operators dispatched, meta stand-ins, the
+    attention calls by how they were priced)."""
     params = {_storage_id(p) for p in clone.parameters()}
     buffers = {_storage_id(b) for b in clone.buffers()}
     fixups = _MetaFixups()
     with ExitStack() as stack:
-        counter = stack.enter_context(FlopCounterMode(display=False))
+        counter = stack.enter_context(FlopCounterMode(display=False, custom_mapping={_CPU_ATTENTION: _cpu_attention_flops}))
         recorder = _Recorder(layers, counter, params, buffers, precision.element_bytes / 4)
         if on_meta:
             stack.enter_context(fixups)
         ops = stack.enter_context(_OpCounter(recorder, set() if on_meta else params))  # real: never write the user's weights
         if on_meta:
             stack.enter_context(torch.device("meta"))
+        attention = stack.enter_context(_FusedAttention(recorder, precision, attention_kernel))
         for layer in layers:
             stack.callback(layer.register_forward_pre_hook(recorder.layer_pre).remove)
             stack.callback(layer.register_forward_hook(recorder.layer_post).remove)
@@ -877,7 +1079,7 @@ def _record(
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t))
         _run_step(clone, batch)
         recorder.finish()
-    return recorder, ops.ops, fixups
+    return recorder, ops.ops, fixups, attention
 
 
 # --- building the spec ---------------------------------------------------------------------------------
@@ -1207,7 +1409,32 @@ def _measured_notes(measured: _Measured, method: Method) -> tuple[str, ...]:
             f"{sum(measured.bounded.values())} data-dependent shape(s) ({_idioms(measured.bounded)}) were taken at their "
             "upper bound, everything selected: FLOPs and activation memory are upper bounds"
         )
-    return tuple(notes)
+    return (*notes, *_attention_notes(measured.fused_attention, measured.math_attention, measured.device_attention))
+
+
+def _attention_notes(fused: Counter[str], math_path: Counter[str], device: Counter[str]) -> list[str]:
+    """What the report says about scaled_dot_product_attention: calls priced as a fused kernel, calls left to math,
+    calls the real method ran as its device runs them."""
+    notes = []
+    if fused:
+        kernels = ", ".join(f"{kernel} x{n}" for kernel, n in sorted(fused.items()))
+        notes.append(
+            f"attention: {sum(fused.values())} scaled_dot_product_attention call(s) priced as the fused kernel a GPU runs "
+            f"({kernels}): q, k, v, the output and an fp32 logsumexp per head and query kept for backward, no s x s scores; "
+            "FLOPs 4*s^2*d per head, causal masks not halved (attention_kernel='math' prices the math path)"
+        )
+    if math_path:
+        reasons = "; ".join(f"{reason} x{n}" for reason, n in sorted(math_path.items()))
+        notes.append(
+            f"attention: {sum(math_path.values())} scaled_dot_product_attention call(s) priced as the math path, s x s "
+            f"probabilities kept for backward ({reasons})"
+        )
+    for kind, n in sorted(device.items()):
+        notes.append(
+            f"attention: {n} scaled_dot_product_attention call(s) ran on {kind} as that device runs them (a CPU: a fused "
+            "kernel keeping q, k, v, the output and a logsumexp, the math path when dropout is on; a GPU: its own choice)"
+        )
+    return notes
 
 
 def profile(
@@ -1217,15 +1444,18 @@ def profile(
     global_batch_size: int,
     precision: Precision = Precision.FP32,
     name: str | None = None,
+    attention_kernel: AttentionKernel | str = AttentionKernel.FLASH,
 ) -> Profile:
     """Profile ``module`` on ``example_batch``: meta tensors, else a real slice of the batch, else parameter counts.
 
     Never changes the module, the trainer's logged values or the RNG streams, and never raises for what the
     module's code does (a malformed ``fleet_layers()``/``fleet_tensor_parallel()`` answer is a FleetError).
     ``precision`` scales floating-point activation bytes: the profile runs in the module's dtype (fp32) and mixed
-    precision keeps 16-bit activations.
+    precision keeps 16-bit activations. ``attention_kernel`` prices ``scaled_dot_product_attention`` as the fused
+    kernel a GPU runs (``"flash"``, the default) or as the math path (``"math"``: a target without a fused kernel).
     """
     name = name or type(module).__name__
+    kernel = _attention_kernel(attention_kernel)
     find_layers(module)  # a malformed hook answer is the user's to fix: say so now, not as a fallback
     tensor_parallel_hook(module)
     with _global_state_kept():
@@ -1233,7 +1463,7 @@ def profile(
         measured = None
         for method in (Method.META, Method.REAL):
             try:
-                measured = _measure(module, example_batch, method, global_batch_size, precision, name)
+                measured = _measure(module, example_batch, method, global_batch_size, precision, name, kernel)
                 break
             except Exception as err:
                 failures.append(_reason(method, err))
@@ -1255,14 +1485,30 @@ def profile_module(
     global_batch_size: int,
     precision: Precision = Precision.FP32,
     name: str | None = None,
+    attention_kernel: AttentionKernel | str = AttentionKernel.FLASH,
 ) -> ModelSpec:
     """:func:`profile`'s ModelSpec (per block, per sample)."""
-    return profile(module, example_batch, global_batch_size=global_batch_size, precision=precision, name=name).spec
+    kwargs = {"precision": precision, "name": name, "attention_kernel": attention_kernel}
+    return profile(module, example_batch, global_batch_size=global_batch_size, **kwargs).spec
+
+
+def _attention_kernel(value: AttentionKernel | str) -> AttentionKernel:
+    try:
+        return AttentionKernel(value)
+    except ValueError:
+        choices = ", ".join(repr(k.value) for k in AttentionKernel)
+        raise FleetError(
+            f"attention_kernel {value!r} is not one of {choices}: pass 'flash' when the GPUs run FlashAttention or "
+            "memory-efficient attention, 'math' when they run neither"
+        ) from None
 
 
 __all__ = [
+    "AttentionKernel",
     "BATCH_CHECK_FLOPS",
     "BATCH_CHECK_RTOL",
+    "BIAS_ALIGNMENT",
+    "FLASH_MAX_HEAD_DIM",
     "REAL_RUN_FLOPS",
     "REAL_SAMPLES",
     "Method",

@@ -55,15 +55,6 @@ from lightning_fleet.rng import RngState  # noqa: E402
 from lightning_fleet.runtime.deepspeed.backend import DeepSpeedBackend  # noqa: E402
 from lightning_fleet.strategy_names import PRESETS  # noqa: E402
 
-_PRECISIONS = {
-    "32-true": Precision.FP32,
-    "32": Precision.FP32,
-    "bf16-mixed": Precision.BF16_MIXED,
-    "bf16-true": Precision.BF16_MIXED,
-    "16-mixed": Precision.FP16_MIXED,
-    "16-true": Precision.FP16_MIXED,
-}
-
 
 class FleetStrategy(DeepSpeedStrategy):
     """Chooses the parallel layout (ZeRO stage, offload, tp, micro-batch, accumulation, recomputation) and trains it.
@@ -348,7 +339,8 @@ class FleetStrategy(DeepSpeedStrategy):
         reduce the profile to what the decision needs."""
         module = self.lightning_module
         example = example_batch(data, data.batch_size)
-        self.profile = profile(module, example, global_batch_size=global_batch_size, precision=_precision_of(trainer), name=type(module).__name__)
+        precision = Precision.from_lightning(str(trainer.precision))
+        self.profile = profile(module, example, global_batch_size=global_batch_size, precision=precision, name=type(module).__name__)
         return ModuleFacts(
             spec=self.profile.spec,
             hooks=module_hooks(module),
@@ -748,13 +740,6 @@ def _requested_checkpoint(trainer) -> Any:  # type: ignore[no-untyped-def]
             return frame.f_locals.get("ckpt_path")
         frame = frame.f_back
     return None
-
-
-def _precision_of(trainer) -> Precision:  # type: ignore[no-untyped-def]
-    name = str(trainer.precision)
-    if name not in _PRECISIONS:
-        raise FleetError(f"strategy 'fleet' supports precision 32-true, bf16-mixed, bf16-true, 16-mixed; got {name!r}")
-    return _PRECISIONS[name]
 
 
 def _sampler_seed() -> int:

@@ -68,10 +68,28 @@ def test_gpt_layer_matches_the_closed_forms() -> None:
     what the meta device's math attention adds: the causal mask (s*s) and the LayerNorm statistics (4*s)."""
     s, h, a = 32, 64, 4
     module = GPT(num_layers=2, hidden_size=h, num_heads=a, seq_length=s)
-    spec = profile_module(module, (torch.zeros(1, s, dtype=torch.long), torch.zeros(1, s, dtype=torch.long)), global_batch_size=1)
+    batch = (torch.zeros(1, s, dtype=torch.long), torch.zeros(1, s, dtype=torch.long))
+    spec = profile_module(module, batch, global_batch_size=1, attention_kernel="math")
     (layer,) = [b for b in spec.blocks if b.role is Role.LAYER]
     assert layer.flops == pytest.approx(layer_flops(s, h, 4 * h))
     assert layer.elementwise == pytest.approx(layer_elementwise(s, h, 4 * h, a) + s * s + 4 * s)
+
+
+@pytest.mark.pure
+def test_gpt_layer_with_the_fused_attention_kernel() -> None:
+    """Priced as the fused kernel (the default), the same layer has the same FLOPs, and of the memory-bound elements
+    only the LayerNorms, residual adds and GELU remain (2sh + 2sh + sf, plus the LayerNorm statistics 4s): the kernel
+    does the Q/K scaling, mask and softmax itself, and its output (laid out (batch, s, heads, d)) is re-laid out by a
+    view; it saves no s x s scores (the fp32 logsumexp instead)."""
+    s, h, a = 32, 64, 4
+    module = GPT(num_layers=2, hidden_size=h, num_heads=a, seq_length=s)
+    batch = (torch.zeros(1, s, dtype=torch.long), torch.zeros(1, s, dtype=torch.long))
+    fused, math_path = (profile_module(module, batch, global_batch_size=1, attention_kernel=k) for k in ("flash", "math"))
+    (layer,) = [b for b in fused.blocks if b.role is Role.LAYER]
+    (math_layer,) = [b for b in math_path.blocks if b.role is Role.LAYER]
+    assert layer.flops == pytest.approx(layer_flops(s, h, 4 * h))
+    assert layer.elementwise == pytest.approx(4 * s * h + s * 4 * h + 4 * s)
+    assert math_layer.act_bytes - layer.act_bytes >= 4 * a * s * s - 4 * a * s - 16  # less the logsumexp and RNG state
 
 
 # --- issue 10: exact parameter counts, stand-ins on meta, fallbacks, isolation, micro-batch dependence ----------------

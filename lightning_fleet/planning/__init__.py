@@ -22,8 +22,13 @@ from lightning_fleet.planning.cluster import (
 from lightning_fleet.planning.errors import FleetError, NoFeasiblePlanError, PlanError, SpecError
 from lightning_fleet.planning.estimate import Estimate, estimate
 from lightning_fleet.planning.model import (
+    AttentionKernel,
     BlockSpec,
+    FfnKind,
+    GradAccumDtype,
     ModelSpec,
+    NormKind,
+    PositionEmbedding,
     Precision,
     Role,
     TransformerSpec,
@@ -38,6 +43,7 @@ from lightning_fleet.planning.search import Constraints, PlanResult, Rejection, 
 from lightning_fleet.planning.search import plan  # bound last: the function, not the plan module
 
 __all__ = [
+    "AttentionKernel",
     "Axis",
     "BlockSpec",
     "Calibration",
@@ -47,17 +53,21 @@ __all__ = [
     "DeviceGroup",
     "DeviceSpec",
     "Estimate",
+    "FfnKind",
     "FleetError",
+    "GradAccumDtype",
     "HostSpec",
     "LinkSpec",
     "ModelSpec",
     "NoFeasiblePlanError",
+    "NormKind",
     "Offload",
     "PartialPlan",
     "PeakTflops",
     "Plan",
     "PlanError",
     "PlanResult",
+    "PositionEmbedding",
     "Precision",
     "Recompute",
     "Rejection",

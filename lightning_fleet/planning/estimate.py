@@ -160,7 +160,7 @@ def stage_state_bytes(
     )
     return StateBytes(
         params_bytes=mem.params_bytes(n, tp=tp, dp=dp, zero=zero, offload=offload, precision=p),
-        grads_bytes=mem.grads_bytes(t, tp=tp, dp=dp, zero=zero, precision=p),
+        grads_bytes=mem.grads_bytes(t, tp=tp, dp=dp, zero=zero, precision=p, grad_accum=model.grad_accum_dtype),
         optimizer_bytes=mem.optimizer_bytes(t, tp=tp, dp=dp, zero=zero, offload=offload, precision=p),
         other_bytes=other,
         host_bytes=mem.host_bytes(n, tp=tp, dp=dp, offload=offload, precision=p, trainable=t),
@@ -514,6 +514,7 @@ def check_plan(model: ModelSpec, cluster: ClusterSpec, plan: Plan) -> None:
         world_size=cluster.world_size,
         num_layers=model.num_layers,
         num_heads=model.num_heads,
+        num_kv_heads=model.num_kv_heads,
         global_batch_size=model.global_batch_size,
     )
     if plan.offload is not Offload.NONE and cluster.host is None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lightning_fleet.planning.cluster import GIB, Calibration
-from lightning_fleet.planning.model import Precision
+from lightning_fleet.planning.model import GradAccumDtype, Precision
 from lightning_fleet.planning.plan import Offload, Recompute
 from lightning_fleet.planning.stages import StageLoad
 
@@ -33,10 +33,28 @@ def params_bytes(n: float, *, tp: int, dp: int, zero: int, offload: Offload, pre
     return precision.element_bytes * n / (tp * shard)
 
 
-def grads_bytes(n: float, *, tp: int, dp: int, zero: int, precision: Precision) -> float:
-    """Gradients: 2 or 4 bytes per parameter, split by tp; ZeRO-2/3 keep only their dp partition (ZeRO paper P_os+g)."""
+# Megatron-LM docs/user-guide/features/dist_optimizer.md: "bf16 parameters, fp32 gradients" 18 = 2 + 4 + 12 B/param;
+# DeepSpeed runtime/bf16_optimizer.py: fp32_groups_gradients_flat = zeros_like(bf16 flat, fp32) beside the bf16 .grad.
+def grad_bytes_per_param(precision: Precision, grad_accum: GradAccumDtype = GradAccumDtype.WORKING) -> int:
+    """Gradient bytes per trainable parameter: the working precision's 2 or 4; an fp32 buffer instead, 4 (Megatron-LM
+    ``main_grad``, FSDP ``reduce_dtype=float32``); an fp32 buffer beside the working gradient, 4 + 2 (DeepSpeed
+    BF16_Optimizer: it accumulates each bf16 ``.grad`` into the fp32 buffer and keeps the ``.grad``)."""
+    if grad_accum is GradAccumDtype.FP32:
+        return 4
+    if grad_accum is GradAccumDtype.FP32_AND_WORKING:
+        return 4 + precision.element_bytes
+    return precision.element_bytes
+
+
+def grads_bytes(
+    n: float, *, tp: int, dp: int, zero: int, precision: Precision, grad_accum: GradAccumDtype = GradAccumDtype.WORKING
+) -> float:
+    """Gradients: :func:`grad_bytes_per_param` bytes per parameter, split by tp; ZeRO-2/3 keep only their dp partition
+    (ZeRO paper P_os+g; DeepSpeed stage 3 allocates its gradient partitions in ``gradient_accumulation_dtype``). Below
+    ZeRO-2 every copy is whole: Megatron's distributed optimizer is "6 + 12/d" bytes (bf16 weights and fp32 gradients
+    unsharded), and BF16_Optimizer "doesn't shard the static fp32 buffer" (bigscience tr11-176B-ml README)."""
     shard = dp if zero >= 2 else 1
-    return precision.element_bytes * n / (tp * shard)
+    return grad_bytes_per_param(precision, grad_accum) * n / (tp * shard)
 
 
 def optimizer_bytes(n: float, *, tp: int, dp: int, zero: int, offload: Offload, precision: Precision) -> float:

@@ -5,14 +5,15 @@ length: its parameters, forward FLOPs, and the bytes autograd saves for backward
 tensor parallelism and recomputation treat them. Blocks with role ``pre`` live on the first
 pipeline stage, ``layer`` blocks are split evenly across stages, ``post`` blocks live on the last.
 
-Two ways to build one: :func:`transformer_model` from the decoder-only YAML (closed forms below)
-and, in :mod:`lightning_fleet.profiling`, by measuring a real ``nn.Module`` on the meta device.
+Two ways to build one: :func:`transformer_model` from the decoder-only YAML of a GPT- or Llama-class
+model (closed forms below, one small function per term) and, in :mod:`lightning_fleet.profiling`, by measuring a real ``nn.Module`` on the meta device.
 
 Pure (stdlib + yaml); imported across the planning core and by profiling.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -38,6 +39,14 @@ class Precision(StrEnum):
     FP16_MIXED = "fp16-mixed"
     FP32 = "fp32"
 
+    @classmethod
+    def from_lightning(cls, name: str) -> "Precision":
+        """The precision a Lightning ``Trainer(precision=...)`` string trains in (the "-true" half precisions priced as
+        their mixed kind: 16-bit activations and weights); SpecError naming the supported ones otherwise."""
+        if str(name) not in LIGHTNING_PRECISIONS:
+            raise SpecError(f"strategy 'fleet' supports precision 32-true, bf16-mixed, bf16-true, 16-mixed; got {str(name)!r}")
+        return LIGHTNING_PRECISIONS[str(name)]
+
     @property
     def compute_dtype(self) -> str:
         """Key into PeakTflops for the matmuls."""
@@ -47,6 +56,47 @@ class Precision(StrEnum):
     def element_bytes(self) -> int:
         """Bytes of one activation / working parameter / gradient element."""
         return 4 if self is Precision.FP32 else 2
+
+
+class GradAccumDtype(StrEnum):
+    """Which gradient copies training keeps per trainable parameter (priced by :func:`memory.grad_bytes_per_param`)."""
+
+    WORKING = "working"
+    """One gradient in the working precision (2 bytes in bf16/fp16 mixed precision, 4 in fp32): DeepSpeed ZeRO's
+    default (``data_types.grad_accum_dtype`` unset), PyTorch DDP."""
+    FP32 = "fp32"
+    """One fp32 gradient; the working-precision gradient is freed as it is added in: Megatron-LM's ``main_grad``
+    buffer (``--accumulate-allreduce-grads-in-fp32``; ``param.grad = None`` after ``main_grad.add_``), FSDP with
+    ``reduce_dtype=float32`` (fp32 sharded gradients)."""
+    FP32_AND_WORKING = "fp32+working"
+    """An fp32 accumulation buffer beside the working-precision gradient it accumulates from: DeepSpeed's
+    BF16_Optimizer (``bf16`` with ``grad_accum_dtype: fp32``; BLOOM's "bf16 with fp32 gradient accumulation")."""
+
+
+def _grad_accum_dtype(value: Any, precision: Precision, where: str) -> GradAccumDtype:
+    """``value`` as a GradAccumDtype, or one SpecError; an fp32 buffer beside an fp32 gradient is refused."""
+    try:
+        dtype = GradAccumDtype(value)
+    except ValueError:
+        raise SpecError(f"{where}grad_accum_dtype must be one of {', '.join(GradAccumDtype)}, got {value!r}") from None
+    if dtype is GradAccumDtype.FP32_AND_WORKING and precision is Precision.FP32:
+        raise SpecError(
+            f"{where}grad_accum_dtype 'fp32+working' needs bf16-mixed or fp16-mixed precision; "
+            "in fp32 the working gradient is the fp32 one: use 'working'"
+        )
+    return dtype
+
+
+LIGHTNING_PRECISIONS: dict[str, Precision] = {
+    "32-true": Precision.FP32,
+    "32": Precision.FP32,
+    "bf16-mixed": Precision.BF16_MIXED,
+    "bf16-true": Precision.BF16_MIXED,
+    "16-mixed": Precision.FP16_MIXED,
+    "16-true": Precision.FP16_MIXED,
+}
+"""Lightning's ``Trainer(precision=...)`` spellings strategy 'fleet' trains, as the cost model prices them (the one table:
+the strategy, ``fleet plan --module`` and :meth:`Precision.from_lightning` read it)."""
 
 
 class Role(StrEnum):
@@ -143,6 +193,9 @@ class ModelSpec:
     """Training number format."""
     global_batch_size: int
     """Samples per optimizer step, over all data-parallel replicas."""
+    num_kv_heads: int | None = None
+    """Key/value heads under grouped-query attention (None: num_heads); tp must divide them too, as Megatron-LM requires
+    of its query groups (``num_query_groups % tensor_model_parallel_size == 0``, megatron/core/transformer config)."""
     tied_params: int = 0
     """Parameters shared by the first pre block and the last post block (tied embeddings): stored once when both sit on one stage."""
     forward_ops: int = 0
@@ -151,6 +204,8 @@ class ModelSpec:
     """Parameter tensors of the whole model (ZeRO's per-parameter hooks cost time per tensor; 0 when unknown)."""
     tied_trainable_params: int | None = None
     """How many of ``tied_params`` train; None: all of them."""
+    grad_accum_dtype: GradAccumDtype = GradAccumDtype.WORKING
+    """Gradient copies per trainable parameter: working | fp32 | fp32+working (see :class:`GradAccumDtype`)."""
 
     def __post_init__(self) -> None:
         require_non_negative("model.", forward_ops=self.forward_ops, param_tensors=self.param_tensors)
@@ -168,13 +223,23 @@ class ModelSpec:
             global_batch_size=self.global_batch_size,
         )
         require_non_negative("model.", tied_params=self.tied_params)
+        if self.num_kv_heads is not None:
+            require_positive("model.", num_kv_heads=self.num_kv_heads)
+            if self.num_heads % self.num_kv_heads:
+                raise SpecError(f"model.num_kv_heads ({self.num_kv_heads}) must divide num_heads ({self.num_heads})")
         object.__setattr__(self, "precision", Precision(self.precision))
+        object.__setattr__(self, "grad_accum_dtype", _grad_accum_dtype(self.grad_accum_dtype, self.precision, "model."))
         if self.num_layers == 0:
             raise SpecError(f"model {self.name!r} has no block with role 'layer'; pipeline stages need layers")
         roles = [b.role for b in self.blocks]
         order = sorted(roles, key=[Role.PRE, Role.LAYER, Role.POST].index)
         if roles != order:
             raise SpecError(f"model {self.name!r}: blocks must be ordered pre..., layer..., post...; got {', '.join(roles)}")
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: num_kv_heads, or num_heads without grouped-query attention (tp must divide them)."""
+        return self.num_kv_heads if self.num_kv_heads is not None else self.num_heads
 
     @property
     def num_layers(self) -> int:
@@ -202,10 +267,15 @@ class ModelSpec:
         return sum(b.flops * b.count for b in self.blocks)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain mapping in the per-block YAML layout (unset trainable counts left out: all parameters train)."""
+        """Plain mapping in the per-block YAML layout (unset trainable counts left out: all parameters train; unset
+        num_kv_heads and the default grad_accum_dtype left out)."""
         out = to_mapping(self)
         if self.tied_trainable_params is None:
             del out["tied_trainable_params"]
+        if self.num_kv_heads is None:
+            del out["num_kv_heads"]
+        if self.grad_accum_dtype is GradAccumDtype.WORKING:
+            del out["grad_accum_dtype"]
         for block in out["blocks"]:
             if block["trainable_params"] is None:
                 del block["trainable_params"]
@@ -216,9 +286,75 @@ class ModelSpec:
         return dump_yaml(self.to_dict())
 
 
+class FfnKind(StrEnum):
+    """The MLP of a transformer layer."""
+
+    GELU = "gelu"
+    """Two matrices, h x f and f x h, with a GeLU between them (GPT-2/3, Megatron-LM)."""
+    SWIGLU = "swiglu"
+    """Three matrices, gate and up h x f and down f x h: down(silu(gate(x)) * up(x)) (Shazeer 2020; Llama)."""
+
+    @property
+    def matrices(self) -> int:
+        """Weight matrices of the MLP, h x f each."""
+        return 2 if self is FfnKind.GELU else 3
+
+
+class PositionEmbedding(StrEnum):
+    """How a transformer tells positions apart."""
+
+    LEARNED = "learned"
+    """A learned s x h table added to the token embedding (GPT-2/3)."""
+    ROPE = "rope"
+    """Rotary embeddings applied to Q and K in every layer, no parameters (Su et al. 2021; Llama)."""
+
+
+class NormKind(StrEnum):
+    """The normalisation before attention, before the MLP and before the output projection."""
+
+    LAYERNORM = "layernorm"
+    """LayerNorm with a weight and a bias, 2h parameters (Ba et al. 2016; GPT)."""
+    RMSNORM = "rmsnorm"
+    """RMSNorm with a weight and no bias, h parameters (Zhang & Sennrich 2019; Llama)."""
+
+
+class AttentionKernel(StrEnum):
+    """How the attention core (softmax(QK^T) V) runs, which decides what it saves for backward (the transformer YAML's
+    ``attention_kernel``, and how profiling prices ``torch.nn.functional.scaled_dot_product_attention``)."""
+
+    MATH = "math"
+    """Separate matmul and softmax operators (the composite path the meta device runs, and a CPU with dropout on): the
+    a x s x s softmax output (and dropout mask) are saved (Korthikanti 2022)."""
+    FLASH = "flash"
+    """A fused kernel (FlashAttention, Dao et al. 2022; PyTorch SDPA's flash/memory-efficient/cuDNN kernels, as
+    ``select_sdp_backend`` picks them on a GPU): no s x s tensor is saved, only Q, K, V, the output and an fp32
+    logsumexp per head and token."""
+
+
+_KINDS: dict[str, type[StrEnum]] = {
+    "ffn_kind": FfnKind,
+    "position_embedding": PositionEmbedding,
+    "norm": NormKind,
+    "attention_kernel": AttentionKernel,
+}
+"""The transformer YAML keys whose values are one of a few kinds."""
+
+
+def _kind(enum: type[StrEnum], value: Any, where: str) -> Any:
+    """``value`` as a member of ``enum``, or one SpecError naming ``where`` and the allowed values."""
+    try:
+        return enum(value)
+    except ValueError:
+        raise SpecError(f"{where} must be one of {', '.join(enum)}, got {value!r}") from None
+
+
+_ARCHITECTURE_KEYS = ("num_kv_heads", "tie_embeddings", "bias", "dropout", *_KINDS)
+"""Transformer YAML keys added for Llama-class models; left out of a dump when they keep the GPT default."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TransformerSpec:
-    """The decoder-only transformer YAML: the shape of a GPT-style model and its batch."""
+    """The decoder-only transformer YAML: the shape of a GPT- or Llama-class model and its batch; the defaults describe GPT."""
 
     name: str
     """Model name."""
@@ -234,8 +370,29 @@ class TransformerSpec:
     """Vocabulary size V."""
     ffn_hidden_size: int | None = None
     """MLP inner size f; defaults to 4h."""
+    num_kv_heads: int | None = None
+    """Key/value heads (grouped-query attention, Ainslie et al. 2023); None: num_heads. Must divide num_heads; the K and V
+    projections are h x (num_kv_heads * h / num_heads) each."""
+    ffn_kind: FfnKind = FfnKind.GELU
+    """gelu: two MLP matrices h x f (GPT); swiglu: three, gate, up and down (Shazeer 2020; Llama)."""
+    tie_embeddings: bool = True
+    """true: the output projection is the token embedding (GPT); false: a separate V x h output matrix (Llama)."""
+    position_embedding: PositionEmbedding = PositionEmbedding.LEARNED
+    """learned: an s x h position table (GPT); rope: rotary embeddings, no parameters (Llama)."""
+    norm: NormKind = NormKind.LAYERNORM
+    """layernorm: weight and bias, 2h per norm (GPT); rmsnorm: a weight, h per norm (Llama)."""
+    bias: bool = True
+    """Biases in the linear layers (Q, K, V, output projection, MLP); Llama has none. The vocabulary projection has none."""
+    dropout: bool = True
+    """Dropout after the embedding, on the attention probabilities and after attention and MLP, whose masks are saved for
+    backward (Korthikanti 2022); Llama-class pretraining uses none."""
+    attention_kernel: AttentionKernel = AttentionKernel.MATH
+    """math: the s x s attention scores are saved (Korthikanti 2022); flash: a fused kernel (FlashAttention / SDPA) keeps an
+    fp32 logsumexp per head and token instead, and selective recomputation has nothing left to drop."""
     precision: Precision = Precision.BF16_MIXED
     """bf16-mixed | fp16-mixed | fp32."""
+    grad_accum_dtype: GradAccumDtype = GradAccumDtype.WORKING
+    """Gradient copies per trainable parameter: working | fp32 | fp32+working (see :class:`GradAccumDtype`)."""
     global_batch_size: int
     """Samples per optimizer step."""
 
@@ -255,19 +412,42 @@ class TransformerSpec:
             object.__setattr__(self, "precision", Precision(self.precision))
         except ValueError:
             raise SpecError(f"model.precision must be one of {', '.join(Precision)}, got {self.precision!r}") from None
+        object.__setattr__(self, "grad_accum_dtype", _grad_accum_dtype(self.grad_accum_dtype, self.precision, "model."))
         if self.hidden_size % self.num_heads:
             raise SpecError(f"model.hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})")
+        if self.num_kv_heads is not None:
+            require_positive("model.", num_kv_heads=self.num_kv_heads)
+            if self.num_heads % self.num_kv_heads:
+                raise SpecError(f"model.num_kv_heads ({self.num_kv_heads}) must divide num_heads ({self.num_heads})")
+        for key, enum in _KINDS.items():
+            object.__setattr__(self, key, _kind(enum, getattr(self, key), f"model.{key}"))
 
     @property
     def ffn(self) -> int:
         """MLP inner size f."""
         return self.ffn_hidden_size if self.ffn_hidden_size is not None else 4 * self.hidden_size
 
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: num_kv_heads, or num_heads without grouped-query attention."""
+        return self.num_kv_heads if self.num_kv_heads is not None else self.num_heads
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of K (and of V): kv_heads times the head size h / a."""
+        return self.kv_heads * (self.hidden_size // self.num_heads)
+
     def to_dict(self) -> dict[str, Any]:
-        """Plain mapping in the transformer YAML layout (unset ffn_hidden_size left out)."""
+        """Plain mapping in the transformer YAML layout (unset ffn_hidden_size, the default grad_accum_dtype and architecture
+        keys at their GPT defaults left out)."""
         out = to_mapping(self)
         if self.ffn_hidden_size is None:
             del out["ffn_hidden_size"]
+        for field in dataclasses.fields(self):
+            if field.name in _ARCHITECTURE_KEYS and getattr(self, field.name) == field.default:
+                del out[field.name]
+        if self.grad_accum_dtype is GradAccumDtype.WORKING:
+            del out["grad_accum_dtype"]
         return out
 
     def to_yaml(self) -> str:
@@ -275,98 +455,258 @@ class TransformerSpec:
         return dump_yaml(self.to_dict())
 
 
-# --- closed forms of a GPT layer (Narayanan et al. 2021; Korthikanti et al. 2022, Sec. 4) ---------
+# --- closed forms of a decoder layer --------------------------------------------------------------------------------
+# GPT defaults: Narayanan et al. 2021 (parameters, FLOPs) and Korthikanti et al. 2022, Sec. 4 (saved activations). Llama
+# features: grouped-query attention (Ainslie et al. 2023), SwiGLU (Shazeer 2020), RMSNorm (Zhang & Sennrich 2019), rotary
+# positions (Su et al. 2021), fused attention (Dao et al. 2022). s: sequence, h: hidden, a: heads, f: MLP inner size,
+# kv_dim: width of K (and of V), h under multi-head attention; e: bytes per activation element. FLOPs count 2 per
+# multiply-add. Defaults everywhere give the GPT layer.
 
 
-def layer_params(h: int, f: int) -> int:
-    """Parameters of one layer: QKV 3h^2+3h, proj h^2+h, fc1 hf+f, fc2 fh+h, two LayerNorms 4h (Megatron-LM, Narayanan 2021 eq. for P)."""
-    return 4 * h * h + 4 * h + 2 * h * f + f + h + 4 * h
+def attention_params(h: int, kv_dim: int, *, bias: bool = True) -> int:
+    """Q and output projections h x h, K and V h x kv_dim each (GQA), biases h + kv_dim + kv_dim + h (Megatron-LM)."""
+    return 2 * h * h + 2 * h * kv_dim + ((2 * h + 2 * kv_dim) if bias else 0)
 
 
-def layer_flops(s: int, h: int, f: int) -> float:
-    """Forward FLOPs of one layer for one sample: 2*s*(4h^2 + 2hf) GEMMs + 4*s^2*h attention (Narayanan 2021: 24sh^2(1+s/6h) for f=4h)."""
-    return 2.0 * s * (4 * h * h + 2 * h * f) + 4.0 * s * s * h
+def mlp_params(h: int, f: int, *, ffn_kind: FfnKind = FfnKind.GELU, bias: bool = True) -> int:
+    """gelu: fc1 h x f + f, fc2 f x h + h; swiglu: gate and up h x f (+ f each), down f x h (+ h) (Shazeer 2020)."""
+    biases = (ffn_kind.matrices - 1) * f + h
+    return ffn_kind.matrices * h * f + (biases if bias else 0)
 
 
-def layer_elementwise(s: int, h: int, f: int, a: int) -> float:
-    """Output elements of one layer's operators that do no matmul, one sample: two LayerNorms, two residual adds, the
-    attention output's re-layout, the Q and K scaling (s*h each), the activation (s*f), the causal mask and softmax over
-    the scores (2*a*s^2) -- what profiling the example GPT counts, less its mask construction."""
-    return 7.0 * s * h + s * f + 2.0 * a * s * s
+def norm_params(h: int, norm: NormKind = NormKind.LAYERNORM) -> int:
+    """One norm: LayerNorm weight and bias 2h (Ba 2016); RMSNorm weight h (Zhang & Sennrich 2019)."""
+    return 2 * h if norm is NormKind.LAYERNORM else h
+
+
+def position_params(s: int, h: int, position: PositionEmbedding = PositionEmbedding.LEARNED) -> int:
+    """A learned s x h position table (GPT-2/3); rotary embeddings have none (Su 2021)."""
+    return s * h if position is PositionEmbedding.LEARNED else 0
+
+
+def layer_params(
+    h: int,
+    f: int,
+    *,
+    kv_dim: int | None = None,
+    ffn_kind: FfnKind = FfnKind.GELU,
+    norm: NormKind = NormKind.LAYERNORM,
+    bias: bool = True,
+) -> int:
+    """Parameters of one layer: attention, MLP, two norms; the GPT defaults give 12h^2 + 13h at f = 4h (Narayanan 2021)."""
+    kv = h if kv_dim is None else kv_dim
+    return attention_params(h, kv, bias=bias) + mlp_params(h, f, ffn_kind=ffn_kind, bias=bias) + 2 * norm_params(h, norm)
+
+
+def attention_gemm_flops(s: int, h: int, kv_dim: int) -> float:
+    """Forward FLOPs of the Q, K, V and output projections for one sample: 2*s*h*(2h + 2*kv_dim); 8sh^2 without GQA."""
+    return 2.0 * s * h * (2 * h + 2 * kv_dim)
+
+
+def mlp_flops(s: int, h: int, f: int, ffn_kind: FfnKind = FfnKind.GELU) -> float:
+    """Forward FLOPs of the MLP for one sample: 2*s*h*f per matrix, two (gelu) or three (swiglu)."""
+    return 2.0 * s * h * f * ffn_kind.matrices
 
 
 def layer_attention_flops(s: int, h: int) -> float:
-    """Forward FLOPs of QK^T and scores*V for one sample, what selective recompute redoes (Korthikanti 2022, Sec. 5)."""
+    """Forward FLOPs of QK^T and scores*V for one sample, 4*s^2*h whatever the K/V heads (GQA shares K and V between
+    query heads, every query head still attends; Korthikanti 2022, Sec. 5: what selective recomputation redoes)."""
     return 4.0 * s * s * h
 
 
-def layer_act_replicated_bytes(s: int, h: int, e: int) -> float:
-    """Saved bytes not split by tp: two LayerNorm inputs 2e, QKV input e, MLP input e, two dropout masks 1+1 (per s*h; Korthikanti 2022 eq. 2: 10sbh at e=2)."""
-    return (4 * e + 2) * s * h
+def layer_flops(s: int, h: int, f: int, *, kv_dim: int | None = None, ffn_kind: FfnKind = FfnKind.GELU) -> float:
+    """Forward FLOPs of one layer for one sample: projections, MLP, attention core (Narayanan 2021: 24sh^2(1 + s/6h) for
+    GPT at f = 4h)."""
+    kv = h if kv_dim is None else kv_dim
+    return attention_gemm_flops(s, h, kv) + mlp_flops(s, h, f, ffn_kind) + layer_attention_flops(s, h)
 
 
-def layer_act_sharded_bytes(s: int, h: int, f: int, e: int) -> float:
-    """Saved bytes split by tp: Q,K 2e, V e, proj input e (per s*h), fc2 input and GeLU input 2e (per s*f) (Korthikanti 2022: 24sbh/t at e=2, f=4h)."""
-    return 4 * e * s * h + 2 * e * s * f
+def attention_elementwise(
+    s: int, h: int, a: int, *, kv_dim: int | None = None, kernel: AttentionKernel = AttentionKernel.MATH
+) -> float:
+    """Output elements of the attention core's operators that do no matmul. math: Q and K scaling (s*h + s*kv_dim), K and V
+    repeated to all a heads under GQA (2*s*h, Megatron-LM DotProductAttention's repeat_interleave), causal mask and softmax
+    over the scores (2*a*s^2). flash: none, the fused kernel does all of it (its work is priced as FLOPs)."""
+    if kernel is AttentionKernel.FLASH:
+        return 0.0
+    kv = h if kv_dim is None else kv_dim
+    repeat = 2.0 * s * h if kv < h else 0.0
+    return s * h + s * kv + repeat + 2.0 * a * s * s
 
 
-def layer_act_attention_bytes(s: int, a: int, e: int) -> float:
-    """Saved attention-score bytes: softmax output e, dropout mask 1, dropout output e (per a*s^2; Korthikanti 2022: 5as^2b at e=2)."""
-    return (2 * e + 1) * a * s * s
+def rope_elementwise(s: int, h: int, kv_dim: int) -> float:
+    """Rotary embedding outputs of one layer: Q and K rotated, s*h + s*kv_dim (Su 2021; a fused kernel writes each once)."""
+    return float(s * h + s * kv_dim)
 
 
-def transformer_model(spec: TransformerSpec) -> ModelSpec:
-    """The ModelSpec of a GPT-style decoder: embedding (pre), num_layers layers, head (post), tied embeddings."""
-    s, h, a, v, f = spec.seq_length, spec.hidden_size, spec.num_heads, spec.vocab_size, spec.ffn
-    e = spec.precision.element_bytes
-    embedding = BlockSpec(
+def mlp_elementwise(s: int, f: int, ffn_kind: FfnKind = FfnKind.GELU) -> float:
+    """The MLP's activation outputs: the GeLU, s*f; swiglu: silu(gate) and its product with up, 2*s*f."""
+    return float(s * f) if ffn_kind is FfnKind.GELU else 2.0 * s * f
+
+
+def layer_elementwise(
+    s: int,
+    h: int,
+    f: int,
+    a: int,
+    *,
+    kv_dim: int | None = None,
+    ffn_kind: FfnKind = FfnKind.GELU,
+    kernel: AttentionKernel = AttentionKernel.MATH,
+    position: PositionEmbedding = PositionEmbedding.LEARNED,
+) -> float:
+    """Output elements of one layer's operators that do no matmul, one sample: two norms, two residual adds and the
+    attention output's re-layout (5*s*h), the attention core, rotary embeddings, the MLP activation. The GPT defaults give
+    7sh + sf + 2as^2, what profiling the example GPT counts, less its mask construction."""
+    kv = h if kv_dim is None else kv_dim
+    rope = rope_elementwise(s, h, kv) if position is PositionEmbedding.ROPE else 0.0
+    core = attention_elementwise(s, h, a, kv_dim=kv, kernel=kernel)
+    return 5.0 * s * h + core + rope + mlp_elementwise(s, f, ffn_kind)
+
+
+def layer_act_replicated_bytes(s: int, h: int, e: int, *, dropout: bool = True) -> float:
+    """Saved bytes not split by tp: two norm inputs 2e, QKV input e, MLP input e, and with dropout two masks 1+1 (per s*h;
+    Korthikanti 2022 eq. 2: 10sbh at e=2)."""
+    return (4 * e + (2 if dropout else 0)) * s * h
+
+
+def flash_logsumexp_bytes(s: int, a: int) -> float:
+    """The fp32 logsumexp a fused attention kernel saves for backward: 4*a*s bytes per sample (FlashAttention-2 Alg. 1
+    stores L = m + log(l); flash-attn's FlashAttnFunc saves q, k, v, out, softmax_lse of shape (batch, heads, seqlen) fp32)."""
+    return 4.0 * a * s
+
+
+def attention_act_sharded_bytes(
+    s: int, h: int, e: int, *, a: int | None = None, kv_dim: int | None = None, kernel: AttentionKernel = AttentionKernel.MATH
+) -> float:
+    """Saved attention bytes split by tp, per sample. math: Q, K and V as the score and context matmuls read them (K and V
+    repeated to all heads under GQA, Megatron-LM DotProductAttention) and the output projection's input, 4e*s*h
+    (Korthikanti 2022). flash: Q e*s*h, K and V e*s*kv_dim each, the kernel output that is the projection's input e*s*h,
+    and the logsumexp (flash-attn FlashAttnFunc.forward: save_for_backward(q, k, v, out, softmax_lse, rng_state))."""
+    if kernel is AttentionKernel.MATH:
+        return 4.0 * e * s * h
+    if a is None:
+        raise ValueError("attention_act_sharded_bytes: the flash kernel's logsumexp needs the head count a")
+    kv = h if kv_dim is None else kv_dim
+    return 2.0 * e * s * h + 2.0 * e * s * kv + flash_logsumexp_bytes(s, a)
+
+
+def mlp_act_sharded_bytes(s: int, f: int, e: int, ffn_kind: FfnKind = FfnKind.GELU) -> float:
+    """Saved MLP bytes split by tp, per sample. gelu: GeLU input and fc2 input, 2e*s*f (Korthikanti 2022). swiglu: gate and
+    up outputs (what Megatron-LM's fused SwiGLUFunction saves) and their product, the down projection's input, 3e*s*f."""
+    return (2 if ffn_kind is FfnKind.GELU else 3) * e * s * f
+
+
+def layer_act_sharded_bytes(
+    s: int,
+    h: int,
+    f: int,
+    e: int,
+    *,
+    a: int | None = None,
+    kv_dim: int | None = None,
+    ffn_kind: FfnKind = FfnKind.GELU,
+    kernel: AttentionKernel = AttentionKernel.MATH,
+) -> float:
+    """Saved bytes split by tp: attention (Q, K, V, projection input) and MLP (Korthikanti 2022: 24sbh/t at e=2, f=4h)."""
+    return attention_act_sharded_bytes(s, h, e, a=a, kv_dim=kv_dim, kernel=kernel) + mlp_act_sharded_bytes(s, f, e, ffn_kind)
+
+
+def layer_act_attention_bytes(
+    s: int, a: int, e: int, *, dropout: bool = True, kernel: AttentionKernel = AttentionKernel.MATH
+) -> float:
+    """Saved attention-score bytes, what selective recomputation drops: softmax output e, with dropout its mask 1 and output e
+    (per a*s^2; Korthikanti 2022: 5as^2b at e=2). A fused kernel saves none (its dropout mask is regenerated from the seed)."""
+    if kernel is AttentionKernel.FLASH:
+        return 0.0
+    return (e + ((e + 1) if dropout else 0)) * a * s * s
+
+
+def layer_recompute_flops(s: int, h: int, kernel: AttentionKernel = AttentionKernel.MATH) -> float:
+    """Forward FLOPs selective recomputation redoes: the attention core under the math kernel; none under flash, which saves
+    no scores to drop."""
+    return layer_attention_flops(s, h) if kernel is AttentionKernel.MATH else 0.0
+
+
+def embedding_elementwise(s: int, h: int, position: PositionEmbedding = PositionEmbedding.LEARNED) -> float:
+    """Output elements of the embedding that do no matmul: learned, the lookups and their sum (2*s*h, as before); rope, the
+    token lookup (s*h)."""
+    return 2.0 * s * h if position is PositionEmbedding.LEARNED else float(s * h)
+
+
+def embedding_act_bytes(s: int, h: int, *, dropout: bool = True) -> float:
+    """Saved bytes of the embedding: its dropout mask, s*h bytes (Korthikanti 2022, Sec. 4.3); nothing without dropout."""
+    return float(s * h) if dropout else 0.0
+
+
+def _embedding_block(spec: TransformerSpec) -> BlockSpec:
+    """Token embedding (and the learned position table): the first pipeline stage."""
+    s, h = spec.seq_length, spec.hidden_size
+    return BlockSpec(
         name="embedding",
         role=Role.PRE,
-        params=v * h + s * h,
+        params=spec.vocab_size * h + position_params(s, h, spec.position_embedding),
         flops=0.0,
-        elementwise=2.0 * s * h,  # token + position lookups and their sum
-        # Korthikanti 2022 Sec. 4.3: the embedding dropout mask, s*h bytes.
-        act_replicated_bytes=float(s * h),
-        output_bytes=float(e * s * h),
+        elementwise=embedding_elementwise(s, h, spec.position_embedding),
+        act_replicated_bytes=embedding_act_bytes(s, h, dropout=spec.dropout),
+        output_bytes=float(spec.precision.element_bytes * s * h),
         tp_allreduces_fwd=1,  # vocab-parallel lookup sums partial embeddings
     )
-    layer = BlockSpec(
+
+
+def _layer_block(spec: TransformerSpec) -> BlockSpec:
+    """The num_layers identical decoder layers."""
+    s, h, a, f, kv = spec.seq_length, spec.hidden_size, spec.num_heads, spec.ffn, spec.kv_dim
+    e, kind, kernel = spec.precision.element_bytes, spec.ffn_kind, spec.attention_kernel
+    return BlockSpec(
         name="layer",
         role=Role.LAYER,
         count=spec.num_layers,
-        params=layer_params(h, f),
-        flops=layer_flops(s, h, f),
-        elementwise=layer_elementwise(s, h, f, a),
-        act_replicated_bytes=layer_act_replicated_bytes(s, h, e),
-        act_sharded_bytes=layer_act_sharded_bytes(s, h, f, e),
-        act_attention_bytes=layer_act_attention_bytes(s, a, e),
-        recompute_flops=layer_attention_flops(s, h),
+        params=layer_params(h, f, kv_dim=kv, ffn_kind=kind, norm=spec.norm, bias=spec.bias),
+        flops=layer_flops(s, h, f, kv_dim=kv, ffn_kind=kind),
+        elementwise=layer_elementwise(s, h, f, a, kv_dim=kv, ffn_kind=kind, kernel=kernel, position=spec.position_embedding),
+        act_replicated_bytes=layer_act_replicated_bytes(s, h, e, dropout=spec.dropout),
+        act_sharded_bytes=layer_act_sharded_bytes(s, h, f, e, a=a, kv_dim=kv, ffn_kind=kind, kernel=kernel),
+        act_attention_bytes=layer_act_attention_bytes(s, a, e, dropout=spec.dropout, kernel=kernel),
+        recompute_flops=layer_recompute_flops(s, h, kernel),
         output_bytes=float(e * s * h),
         tp_allreduces_fwd=2,  # after attention and after the MLP (Megatron g operators)
         tp_allreduces_bwd=2,  # at their inputs (Megatron f operators)
     )
-    head = BlockSpec(
+
+
+def _head_block(spec: TransformerSpec) -> BlockSpec:
+    """Final norm, vocabulary projection (tied or not) and the loss: the last pipeline stage."""
+    s, h, v, e = spec.seq_length, spec.hidden_size, spec.vocab_size, spec.precision.element_bytes
+    return BlockSpec(
         name="head",
         role=Role.POST,
-        params=v * h + 2 * h,
+        params=v * h + norm_params(h, spec.norm),
         flops=2.0 * s * h * v,
-        elementwise=s * h + 2.0 * s * v,  # final LayerNorm, log-softmax and loss over the logits
-        # Korthikanti 2022 Sec. 4.3: final LayerNorm input and projection input (e*s*h each),
+        elementwise=s * h + 2.0 * s * v,  # final norm, log-softmax and loss over the logits
+        # Korthikanti 2022 Sec. 4.3: final norm input and projection input (e*s*h each),
         # fp32 logits for the cross entropy (4*s*V), the latter vocab-parallel.
         act_replicated_bytes=float(2 * e * s * h),
         act_sharded_bytes=float(4 * s * v),
         output_bytes=float(e * s * h),
         tp_allreduces_bwd=1,  # input gradient of the vocab-parallel projection
     )
+
+
+def transformer_model(spec: TransformerSpec) -> ModelSpec:
+    """The ModelSpec of a decoder-only transformer: embedding (pre), num_layers layers, head (post); with tied embeddings the
+    head's V x h projection is the embedding's table (``tied_params``)."""
     return ModelSpec(
         name=spec.name,
-        blocks=(embedding, layer, head),
-        hidden_size=h,
-        num_heads=a,
-        seq_length=s,
+        blocks=(_embedding_block(spec), _layer_block(spec), _head_block(spec)),
+        hidden_size=spec.hidden_size,
+        num_heads=spec.num_heads,
+        num_kv_heads=spec.num_kv_heads,
+        seq_length=spec.seq_length,
         precision=spec.precision,
         global_batch_size=spec.global_batch_size,
-        tied_params=v * h,
+        tied_params=spec.vocab_size * spec.hidden_size if spec.tie_embeddings else 0,
+        grad_accum_dtype=spec.grad_accum_dtype,
     )
 
 
@@ -379,6 +719,9 @@ def transformer_from_dict(data: Mapping[str, Any], where: str = "model") -> Tran
     """Build a TransformerSpec from the YAML mapping; errors name the key."""
     if "precision" in data and data["precision"] not in list(Precision):
         raise SpecError(f"{where}.precision must be one of {', '.join(Precision)}, got {data['precision']!r}")
+    for key, enum in _KINDS.items():
+        if key in data:
+            _kind(enum, data[key], f"{where}.{key}")
     return from_mapping(TransformerSpec, data, where)
 
 
@@ -411,8 +754,13 @@ def load_transformer(source: str | Path) -> TransformerSpec:
 
 
 __all__ = [
+    "AttentionKernel",
     "BlockSpec",
+    "FfnKind",
+    "GradAccumDtype",
     "ModelSpec",
+    "NormKind",
+    "PositionEmbedding",
     "Precision",
     "Role",
     "TransformerSpec",

@@ -187,13 +187,18 @@ class Plan:
         """A copy with some fields changed (validated again)."""
         return Plan(**{**{name: getattr(self, name) for name in _FIELDS}, **changes})
 
-    def check(self, *, world_size: int, num_layers: int, num_heads: int, global_batch_size: int) -> None:
-        """Raise PlanError naming every factor when the plan does not fit this world, model and batch."""
+    def check(
+        self, *, world_size: int, num_layers: int, num_heads: int, global_batch_size: int, num_kv_heads: int | None = None
+    ) -> None:
+        """Raise PlanError naming every factor when the plan does not fit this world, model and batch (tp must divide the
+        key/value heads under grouped-query attention, and so the heads)."""
         problems = []
         if self.world_size != world_size:
             problems.append(f"dp({self.dp}) * tp({self.tp}) * pp({self.pp}) = {self.world_size} != world size {world_size}")
         if num_heads % self.tp:
             problems.append(f"tp({self.tp}) does not divide num_heads({num_heads})")
+        elif num_kv_heads is not None and num_kv_heads % self.tp:
+            problems.append(f"tp({self.tp}) does not divide num_kv_heads({num_kv_heads})")
         if num_layers % (self.pp * self.vpp):
             problems.append(f"pp({self.pp}) * vpp({self.vpp}) = {self.pp * self.vpp} does not divide num_layers({num_layers})")
         if self.global_batch_size != global_batch_size:

@@ -321,7 +321,7 @@ def _layouts(model: ModelSpec, world: int, cons: Constraints, rejected: list[Rej
     """The layouts dp x tp x pp = world the constraints allow; those that cannot split the global batch go to ``rejected``."""
     out = []
     for tp in divisors(world):
-        if model.num_heads % tp or (cons.max_tp and tp > cons.max_tp) or cons.tp not in (None, tp):
+        if model.kv_heads % tp or (cons.max_tp and tp > cons.max_tp) or cons.tp not in (None, tp):
             continue
         for pp in divisors(world // tp):
             if model.num_layers % pp or (cons.max_pp and pp > cons.max_pp) or cons.pp not in (None, pp):
@@ -1009,10 +1009,17 @@ def _lift(exclusions: Iterable[_Exclusion]) -> str:
     return "change those fixed values or limits" + (", the device count or the global batch size" if size else "")
 
 
+def _heads_rule(model: ModelSpec) -> str:
+    """The rule tp must keep with the model's attention heads, in words."""
+    if model.num_kv_heads is None:
+        return f"tp must divide num_heads ({model.num_heads})"
+    return f"tp must divide num_kv_heads ({model.num_kv_heads}) and so num_heads ({model.num_heads})"
+
+
 def _layout_exclusion(model: ModelSpec, cons: Constraints, dp: int, tp: int, pp: int) -> _Exclusion | None:
     """Why the search skips a layout (the first rule it breaks, as :func:`_layouts` tests them), or None."""
     rules = (
-        (model.num_heads % tp, _by_size, f"tp must divide num_heads ({model.num_heads})"),
+        (model.kv_heads % tp, _by_size, _heads_rule(model)),
         (cons.max_tp and tp > cons.max_tp, _by_constraint, f"tp is limited to max_tp={cons.max_tp}"),
         (cons.tp not in (None, tp), _by_constraint, f"tp is fixed to {cons.tp}"),
         (model.num_layers % pp, _by_size, f"pp must divide num_layers ({model.num_layers})"),
