@@ -238,21 +238,30 @@ def fixed_axes(module: ModuleFacts, options: JobOptions) -> tuple[PartialPlan, l
     if options.micro_batch_size is not None:
         partial = partial.fix(mbs=options.micro_batch_size)
         notes.append(f"fixed    mbs={options.micro_batch_size} (FleetStrategy(micro_batch_size=...))")
-    elif module.batch_dependent and partial.mbs is None:
+    partial, pinned = module_pins(module, partial)
+    return partial, notes + pinned
+
+
+def module_pins(module: ModuleFacts, partial: PartialPlan, *, pin_with: str = "micro_batch_size=N") -> tuple[PartialPlan, list[str]]:
+    """The axes the module itself pins on top of ``partial`` and a report line for each: the DataLoader's batch size
+    as the micro-batch when the loss depends on it (unless ``partial`` fixes one), gas=1 under manual optimization.
+    ``pin_with`` is how the user pins a micro-batch where the report is read (``fleet plan``: ``--fix mbs=N``)."""
+    notes = []
+    if module.batch_dependent and partial.mbs is None:
         mbs, gbs = module.loader_batch_size, module.spec.global_batch_size
         if gbs % mbs == 0:
             partial = partial.fix(mbs=mbs)
             notes.append(
                 f"fixed    mbs={mbs}: the loss depends on the micro-batch (BatchNorm, in-batch negatives or a summed loss), "
-                "so the DataLoader's batch size stays the micro-batch; pass micro_batch_size=N to choose another"
+                f"so the DataLoader's batch size stays the micro-batch; pass {pin_with} to choose another"
             )
         else:
             notes.append(
                 f"note     the loss depends on the micro-batch, but the DataLoader's batch size {mbs} does not divide the "
-                f"global batch {gbs}: the planner chooses it; pass micro_batch_size=N to pin one"
+                f"global batch {gbs}: the planner chooses it; pass {pin_with} to pin one"
             )
     elif module.batch_dependent is None and partial.mbs is None:
-        notes.append("note     whether the loss depends on the micro-batch is unknown; pass micro_batch_size=N to pin it")
+        notes.append(f"note     whether the loss depends on the micro-batch is unknown; pass {pin_with} to pin it")
     if not module.hooks.automatic_optimization:
         if partial.gas not in (None, 1):
             raise FleetError(f"plan {partial}: {module.hooks.name} steps its own optimizer once per training_step, so gas must be 1")

@@ -46,6 +46,7 @@ import torch
 import yaml
 from torch import nn
 
+from lightning_fleet.decide import ModuleFacts, module_pins
 from lightning_fleet.hooks import module_hooks
 from lightning_fleet.planning import FleetError, ModelSpec, PartialPlan, PlanError, Precision
 from lightning_fleet.planning.model import LIGHTNING_PRECISIONS
@@ -55,12 +56,6 @@ from lightning_fleet.runtime.base import ModuleHooks
 
 LEGACY_PRECISIONS = {"16": "16-mixed", "bf16": "bf16-mixed"}
 """Lightning's short spellings and what its Trainer turns them into (lightning.fabric.connector, ``_convert_precision``)."""
-_UNCHECKED_ON_META = (
-    "note     a module without weights (meta) cannot show whether its loss depends on the micro-batch; at fit "
-    "strategy='fleet' checks it where that is cheap and, if it does, keeps the DataLoader's batch size as the "
-    "micro-batch (--fix mbs=N shows that plan)"
-)
-"""What a meta-built module's report adds when the profiler could not check the micro-batch dependence."""
 _FORWARD_ONLY = "note     a plain nn.Module: profiled as module(batch), the forward only (the loss is not counted)"
 """The report line for a module without ``training_step``."""
 _ERROR_CHARS = 240
@@ -489,29 +484,11 @@ class OfflineModule:
 
     def pinned(self, fixed: PartialPlan) -> tuple[PartialPlan, tuple[str, ...]]:
         """``fixed`` (the user's ``--fix``) with the axes ``strategy="fleet"`` would pin for this module, and a line
-        for each: the micro-batch when the loss depends on it, gas=1 under manual optimization."""
-        notes = []
-        gbs = self.spec.global_batch_size
-        if self.profile.batch_dependent and fixed.mbs is None:
-            if gbs % self.batch_size == 0:
-                fixed = fixed.fix(mbs=self.batch_size)
-                notes.append(
-                    f"fixed    mbs={self.batch_size}: the loss depends on the micro-batch, so the example batch's size stays "
-                    "the micro-batch (as strategy='fleet' keeps the DataLoader's batch size); --fix mbs=N chooses another"
-                )
-            else:
-                notes.append(
-                    f"note     the loss depends on the micro-batch, but the example batch's {self.batch_size} samples do not "
-                    f"divide the global batch {gbs}: the planner chooses it; --fix mbs=N pins one"
-                )
-        if not self.hooks.automatic_optimization:
-            if fixed.gas not in (None, 1):
-                raise PlanError(
-                    f"--fix {fixed}: {self.hooks.name} steps its own optimizer once per training_step, so gas must be 1"
-                )
-            fixed = fixed.fix(gas=1)
-            notes.append("fixed    gas=1: manual optimization steps once per training_step")
-        return fixed, tuple(notes)
+        for each (the same rule as at fit: :func:`lightning_fleet.decide.module_pins`)."""
+        facts = ModuleFacts(spec=self.spec, hooks=self.hooks, loader_batch_size=self.batch_size,
+                            batch_dependent=self.profile.batch_dependent)
+        pinned, notes = module_pins(facts, fixed, pin_with="--fix mbs=N")
+        return pinned, tuple(notes)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form: the class, where it was built, the profiling method and the report lines."""
@@ -563,7 +540,6 @@ def profile_offline(request: ModuleRequest, *, world_size: int) -> OfflineModule
         f"batch    {describe_batch(batch)} ({source}); precision {precision_name}; global batch {gbs} ({gbs_source})",
         *([_FORWARD_ONLY] if forward_only else []),
         *measured.report_lines(),
-        *([_UNCHECKED_ON_META] if on_meta and measured.batch_dependent is None else []),
     )
     return OfflineModule(
         spec=measured.spec,
