@@ -827,6 +827,7 @@ class _FusedAttention(TorchFunctionMode):
         tensors = [t for t in (q, k, v, mask) if isinstance(t, torch.Tensor)]
         if tensors and not any(t.is_meta for t in tensors):  # the real method: the profiling device's own kernel runs
             self.device[tensors[0].device.type] += 1
+            self.recorder.add_elementwise(_softmax_elements(q, k))
             return _SDPA(*args, **kwargs)
         if not all(t.is_meta for t in tensors):  # real tensors meeting meta ones become meta (as in _MetaFixups)
             args, kwargs = pytree.tree_map_only(torch.Tensor, _meta, (args, kwargs))
@@ -841,6 +842,7 @@ class _FusedAttention(TorchFunctionMode):
                 got, want = f"{out.dtype}{list(out.shape)}", f"{expected.dtype}{list(expected.shape)}"
                 raise RuntimeError(f"the {kernel} attention kernel gave {got}, scaled_dot_product_attention {want}")
             self.fused[kernel] += 1
+            self.recorder.add_elementwise(_softmax_elements(q, k))
             return out
         self.math[reason] += 1
         return _SDPA(*args, **kwargs)
@@ -861,6 +863,14 @@ class _FusedAttention(TorchFunctionMode):
             yield
         finally:
             functional.scaled_dot_product_attention = original
+
+
+def _softmax_elements(q: torch.Tensor, k: torch.Tensor) -> int:
+    """The non-matmul work of a fused attention kernel, as memory-bound elements: two per score (its exponential and
+    its online-softmax rescaling). The kernel stores no scores but still computes them all (FlashAttention-2, Dao 2023,
+    Sec. 3.1: non-matmul FLOPs are the kernel's bottleneck); the math path counts its mask add and softmax, the same
+    two per score, so both kernels cost the same time until the time model prices an attention kernel's own rate."""
+    return 2 * q.shape[:-1].numel() * k.shape[-2]
 
 
 def _unpacked(t: torch.Tensor) -> torch.Tensor:
