@@ -318,3 +318,20 @@ def test_pipeline_topology_of_the_default_order_is_deepspeeds_own() -> None:
     assert (ours.get_axis_names(), ours.dims, ours.mapping) == (theirs.get_axis_names(), theirs.dims, theirs.mapping)
     with pytest.raises(FleetError, match="runs without tp"):
         pipeline_topology(Plan(dp=1, tp=2, pp=2))
+
+
+def test_the_deepspeed_backend_implements_the_backend_protocol():
+    """Every call of runtime.base.Backend exists on DeepSpeedBackend with the same parameters, and its capabilities are
+    the DEEPSPEED value the planner and the CLI read."""
+    import inspect
+
+    from lightning_fleet.runtime.base import Backend
+    from lightning_fleet.runtime.deepspeed.backend import DeepSpeedBackend
+
+    calls = {name: value for name, value in vars(Backend).items() if inspect.isfunction(value) and not name.startswith("_")}
+    assert len(calls) >= 10
+    for name, declared in calls.items():
+        implemented = getattr(DeepSpeedBackend, name, None)
+        assert callable(implemented), f"DeepSpeedBackend lacks {name}"
+        assert list(inspect.signature(implemented).parameters) == list(inspect.signature(declared).parameters), name
+    assert DeepSpeedBackend.capabilities is DEEPSPEED
