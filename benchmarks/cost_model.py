@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 os.environ["OMP_NUM_THREADS"] = "1"  # one thread per rank (2 cores), and safe to fork: set before torch loads
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".venv" / "torch_extensions"))  # DeepSpeed's prebuilt CPU op
 
-from benchmarks.cost_model_sizes import DATA_BYTES, GLOBAL_BATCH, SIZES  # noqa: E402
+from benchmarks.cost_model_sizes import GLOBAL_BATCH, SIZES  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "out"
 GIB = 1024**3

@@ -48,7 +48,7 @@ from torch import nn
 
 from lightning_fleet.decide import ModuleFacts, module_pins
 from lightning_fleet.hooks import module_hooks
-from lightning_fleet.planning import FleetError, ModelSpec, PartialPlan, PlanError, Precision
+from lightning_fleet.planning import FleetError, ModelSpec, PartialPlan, Precision
 from lightning_fleet.planning.model import LIGHTNING_PRECISIONS
 from lightning_fleet.planning.yamlspec import read_yaml
 from lightning_fleet.profiling import Profile, batch_size_of, profile
