@@ -349,35 +349,38 @@ def _new_tensor(t: torch.Tensor, on_meta: bool) -> torch.Tensor:
     return out.requires_grad_(t.requires_grad) if t.is_leaf and (t.is_floating_point() or t.is_complex()) else out
 
 
-def _tensors_in(value: Any, depth: int = 2) -> Iterator[Any]:
-    """Tensors and torch Generators held by an attribute value, looking ``depth`` containers deep."""
-    if isinstance(value, (torch.Tensor, torch.Generator)):
+def _held_in(value: Any, wanted: Callable[[Any], bool], depth: int = 2) -> Iterator[Any]:
+    """The objects ``wanted`` accepts among an attribute value and the containers it holds, ``depth`` containers deep."""
+    if wanted(value):
         yield value
     elif depth and isinstance(value, (list, tuple, set, frozenset)):
         for item in value:
-            yield from _tensors_in(item, depth - 1)
+            yield from _held_in(item, wanted, depth - 1)
     elif depth and isinstance(value, Mapping):
         for item in value.values():
-            yield from _tensors_in(item, depth - 1)
+            yield from _held_in(item, wanted, depth - 1)
+
+
+def _tensors_in(value: Any) -> Iterator[Any]:
+    """Tensors and torch Generators held by an attribute value, two containers deep."""
+    return _held_in(value, lambda v: isinstance(v, (torch.Tensor, torch.Generator)))
 
 
 SHARED_ARRAY_BYTES = 1 << 20
 """numpy arrays at least this large are shared with the copy, not copied (see :func:`_shared_in`)."""
 
 
-def _shared_in(value: Any, depth: int = 2) -> Iterator[Any]:
+def _shared_in(value: Any) -> Iterator[Any]:
     """Objects an attribute holds that the copy shares with the module instead of copying: data sources (Dataset,
     DataLoader, Sampler: a LightningModule often keeps its data set from ``setup()``, and a copy would hold the data
     twice per profiling run, on every rank) and numpy arrays of SHARED_ARRAY_BYTES or more. A training_step reads them;
     one that changed them in place would change the module's."""
-    if isinstance(value, (Dataset, DataLoader, Sampler)) or (hasattr(value, "__array_interface__") and getattr(value, "nbytes", 0) >= SHARED_ARRAY_BYTES):
-        yield value
-    elif depth and isinstance(value, (list, tuple, set, frozenset)):
-        for item in value:
-            yield from _shared_in(item, depth - 1)
-    elif depth and isinstance(value, Mapping):
-        for item in value.values():
-            yield from _shared_in(item, depth - 1)
+    return _held_in(value, _is_shared)
+
+
+def _is_shared(value: Any) -> bool:
+    large_array = hasattr(value, "__array_interface__") and getattr(value, "nbytes", 0) >= SHARED_ARRAY_BYTES
+    return isinstance(value, (Dataset, DataLoader, Sampler)) or large_array
 
 
 def _clone_generator(g: torch.Generator) -> torch.Generator:
