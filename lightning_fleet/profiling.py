@@ -22,7 +22,9 @@ Three methods, tried in order (:class:`Method`):
     a GPU runs for it (FlashAttention-2 or memory-efficient attention): it keeps q, k, v, the output
     and an fp32 logsumexp per head and query for backward, never the s x s probabilities the meta
     device's math path keeps (``attention_kernel="math"`` prices the math path; see
-    :class:`AttentionKernel`). Attention written by hand (matmul, softmax) is measured as written.
+    :class:`AttentionKernel`). Its FLOPs are marked as a fused kernel's (``BlockSpec.attention_flops``), and of them
+    half as executed when the call passes ``is_causal=True`` and no ``attn_mask`` (the kernel skips the blocks above
+    the diagonal; ``attention_kernel_flops``). Attention written by hand (matmul, softmax) is measured as written.
 ``real``
     The same measurement on a real slice of the example batch (2 samples), on a copy whose
     parameters share the original's storage (no weight copy, no backward, no optimizer step, no
@@ -58,6 +60,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
@@ -67,7 +70,13 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry, sdpa_flop_c
 from lightning_fleet import rng
 from lightning_fleet.hooks import find_layers, tensor_parallel_hook
 from lightning_fleet.planning import BlockSpec, FleetError, ModelSpec, Precision, Role
-from lightning_fleet.planning.model import AttentionKernel, layer_act_replicated_bytes, layer_act_sharded_bytes, layer_elementwise
+from lightning_fleet.planning.model import (
+    CAUSAL_ATTENTION_SHARE,
+    AttentionKernel,
+    layer_act_replicated_bytes,
+    layer_act_sharded_bytes,
+    layer_elementwise,
+)
 from lightning_fleet.runtime.base import TensorParallelSpec
 
 aten = torch.ops.aten
@@ -831,6 +840,8 @@ class _FusedAttention(TorchFunctionMode):
         if tensors and not any(t.is_meta for t in tensors):  # the real method: the profiling device's own kernel runs
             self.device[tensors[0].device.type] += 1
             self.recorder.add_elementwise(_softmax_elements(q, k))
+            if _device_runs_fused(*args, **kwargs):
+                self.recorder.add_attention(*_fused_attention_flops(q, k, v, mask, is_causal))
             return _SDPA(*args, **kwargs)
         if not all(t.is_meta for t in tensors):  # real tensors meeting meta ones become meta (as in _MetaFixups)
             args, kwargs = pytree.tree_map_only(torch.Tensor, _meta, (args, kwargs))
@@ -846,6 +857,7 @@ class _FusedAttention(TorchFunctionMode):
                 raise RuntimeError(f"the {kernel} attention kernel gave {got}, scaled_dot_product_attention {want}")
             self.fused[kernel] += 1
             self.recorder.add_elementwise(_softmax_elements(q, k))
+            self.recorder.add_attention(*_fused_attention_flops(q, k, v, mask, is_causal))
             return out
         self.math[reason] += 1
         return _SDPA(*args, **kwargs)
@@ -866,6 +878,24 @@ class _FusedAttention(TorchFunctionMode):
             yield
         finally:
             functional.scaled_dot_product_attention = original
+
+
+def _fused_attention_flops(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, is_causal: bool) -> tuple[float, float]:
+    """(FLOPs the flop counter records for one fused call, FLOPs the kernel executes): QK^T and scores x V over every
+    score (torch.utils.flop_counter ``sdpa_flop_count``, what ``flops`` holds), and of them CAUSAL_ATTENTION_SHARE under
+    ``is_causal`` with no explicit mask (the kernel skips the blocks above the diagonal, FlashAttention-2 Sec. 3.1; an
+    ``attn_mask``, even a causal one, is applied to every block)."""
+    shapes = [tuple(t.shape) if t.dim() == 4 else (1, *t.shape) for t in (q, k, v)]
+    full = float(sdpa_flop_count(*shapes))
+    return full, full * CAUSAL_ATTENTION_SHARE if is_causal and mask is None else full
+
+
+def _device_runs_fused(*args: Any, **kwargs: Any) -> bool:
+    """Whether PyTorch runs a fused kernel (not the math path) for this call on its real tensors' device: its own choice
+    (``torch._fused_sdp_choice``, what ``scaled_dot_product_attention`` dispatches on; e.g. the CPU's flash kernel unless
+    dropout is on); asked with the profiler's modes off, so that the question is not counted as an operator."""
+    with _disable_current_modes():
+        return torch._fused_sdp_choice(*args, **kwargs) != int(SDPBackend.MATH)
 
 
 def _softmax_elements(q: torch.Tensor, k: torch.Tensor) -> int:
@@ -892,6 +922,8 @@ class _Phase:
     saved: list[tuple[int, float]] = field(default_factory=list)  # (last dimension or _PER_HEAD, bytes) per saved tensor
     output_bytes: float = 0.0
     elementwise: float = 0.0  # output elements of the operators that do no matmul
+    attention_flops: float = 0.0  # the part of flops fused attention kernels run (every score counted)
+    attention_kernel_flops: float = 0.0  # what those kernels execute (half under a causal mask)
 
     def split_bytes(self, hidden: int) -> tuple[float, float]:
         """(replicated, sharded) saved bytes: width-``hidden`` tensors stay whole under tp, wider ones and a fused
@@ -948,6 +980,12 @@ class _Recorder:
 
     def add_elementwise(self, elements: int) -> None:
         self._phase().elementwise += elements
+
+    def add_attention(self, flops: float, kernel_flops: float) -> None:
+        """A fused attention call: ``flops`` of the phase's counted FLOPs are its, ``kernel_flops`` what it executes."""
+        phase = self._phase()
+        phase.attention_flops += flops
+        phase.attention_kernel_flops += kernel_flops
 
     def use_storages(self, tensors: list[torch.Tensor]) -> None:
         used = {_storage_id(t) for t in tensors} & self.param_storages
@@ -1124,6 +1162,8 @@ def _block(
         trainable_params=trainable,
         flops=phase.flops / samples,
         elementwise=phase.elementwise / samples,
+        attention_flops=phase.attention_flops / samples,
+        attention_kernel_flops=phase.attention_kernel_flops / samples,
         act_replicated_bytes=replicated / samples,
         act_sharded_bytes=sharded / samples,
         output_bytes=(phase.output_bytes if output_bytes is None else output_bytes) / samples,
@@ -1196,7 +1236,11 @@ def _to_model_spec(
     pre, post = phases.pop("pre"), phases.pop("post")
     names = {id(m): n for n, m in module.named_modules()}
     if not layers:  # no layer stack: the whole model is one layer (no pipeline, no recomputation)
-        whole = _Phase(flops=pre.flops + post.flops, saved=pre.saved + post.saved, elementwise=pre.elementwise + post.elementwise)
+        whole = _Phase(
+            flops=pre.flops + post.flops, saved=pre.saved + post.saved, elementwise=pre.elementwise + post.elementwise,
+            attention_flops=pre.attention_flops + post.attention_flops,
+            attention_kernel_flops=pre.attention_kernel_flops + post.attention_kernel_flops,
+        )
         body = [_block(type(module).__name__, Role.LAYER, whole, module.parameters(), hidden, samples)]
         first: list[torch.Tensor] = []
         last: list[torch.Tensor] = []

@@ -70,13 +70,13 @@ def test_bad_plan_strings(text, message):
 
 def test_check_names_every_factor():
     """A plan wrong in four ways lists all four factors in one message."""
-    p = Plan(dp=3, tp=3, pp=5, gas=2)
+    p = Plan(dp=3, tp=3, pp=5, vpp=2, gas=2)
     with pytest.raises(PlanError) as err:
         p.check(world_size=16, num_layers=12, num_heads=16, global_batch_size=8)
     message = str(err.value)
     assert "dp(3) * tp(3) * pp(5) = 45 != world size 16" in message
     assert "tp(3) does not divide num_heads(16)" in message
-    assert "pp(5) * vpp(1) = 5 does not divide num_layers(12)" in message
+    assert "pp(5) * vpp(2) = 10 does not divide num_layers(12)" in message
     assert "dp(3) * mbs(1) * gas(2) = 6 != global batch size 8" in message
 
 

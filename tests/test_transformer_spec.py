@@ -170,7 +170,8 @@ def _changed(before: ModelSpec, after: ModelSpec) -> set[str]:
     return out | {field for field in model_fields if getattr(before, field) != getattr(after, field)}
 
 
-FLASH_TERMS = {"layer.elementwise", "layer.act_sharded_bytes", "layer.act_attention_bytes", "layer.recompute_flops"}
+FLASH_TERMS = {"layer.elementwise", "layer.act_sharded_bytes", "layer.act_attention_bytes", "layer.recompute_flops",
+               "layer.attention_flops", "layer.attention_kernel_flops"}
 FEATURES = [
     # feature switched on, the features already on, the terms that must move
     ({"num_kv_heads": 2}, {}, {"layer.params", "layer.flops", "layer.elementwise"}),

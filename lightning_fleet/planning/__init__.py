@@ -38,6 +38,7 @@ from lightning_fleet.planning.model import (
     model_presets,
     transformer_model,
 )
+from lightning_fleet.planning.overlap import Overlaps
 from lightning_fleet.planning.plan import Axis, Coordinates, Offload, PartialPlan, Plan, Recompute, parse_partial_plan, parse_plan
 from lightning_fleet.planning.search import Constraints, PlanResult, Rejection, RejectionKind, narrow
 from lightning_fleet.planning.search import plan  # bound last: the function, not the plan module
@@ -62,6 +63,7 @@ __all__ = [
     "NoFeasiblePlanError",
     "NormKind",
     "Offload",
+    "Overlaps",
     "PartialPlan",
     "PeakTflops",
     "Plan",

@@ -144,6 +144,11 @@ class Calibration:
     elementwise_s: float = 0.0
     """Device time per output element of an operator that does no matmul (norms, activations, softmax, adds: memory-bound),
     in seconds; backward costs twice the forward. 0 (the default): folded into ``matmul_efficiency``."""
+    attention_efficiency: float = 0.83
+    """A fused attention kernel's rate (FlashAttention / SDPA, forward and backward) as a fraction of the large GEMMs'
+    achieved rate. 0.83: FlashAttention-2 on an A100, causal, head dimension 128, sequence 2k, forward + backward, runs
+    155 TFLOP/s (flash-attention README, assets/flash2_a100_fwd_bwd_benchmark.png, panel d), 0.50 of the 312 peak, against
+    the default ``matmul_efficiency`` 0.6 (0.50 / 0.6 = 0.83)."""
     zero_step_overhead_s: tuple[float, ...] = ()
     """Extra framework time per optimizer step at ZeRO stage 0, 1, 2, 3 (four values, or empty for none), in seconds."""
     zero_tensor_overhead_s: tuple[float, ...] = ()
@@ -178,6 +183,7 @@ class Calibration:
         require_positive(
             "calibration.",
             matmul_efficiency=self.matmul_efficiency,
+            attention_efficiency=self.attention_efficiency,
             cpu_adam_params_per_s=self.cpu_adam_params_per_s,
             adam_params_per_s=self.adam_params_per_s,
         )

@@ -19,8 +19,9 @@ from lightning_fleet.planning.cluster import GIB, Calibration, ClusterSpec, Link
 from lightning_fleet.planning.comm import axis_level
 from lightning_fleet.planning.errors import PlanError
 from lightning_fleet.planning.model import ModelSpec, Role
+from lightning_fleet.planning.overlap import Overlaps
 from lightning_fleet.planning.plan import Axis, Offload, Plan, Recompute
-from lightning_fleet.planning.stages import StageLoad, stage_loads
+from lightning_fleet.planning.stages import StageLoad, stage_loads, with_stage_layers
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -104,9 +105,9 @@ class StageTime:
     """Forward and backward with recomputation, summed (:func:`time.forward_s`, :func:`time.backward_s`,
     :func:`time.recompute_s`)."""
     tp_comm_s: float
-    """Tensor-parallel communication (:func:`time.tp_comm_s`)."""
+    """Tensor-parallel communication not hidden behind the compute (:func:`time.tp_comm_s`, :func:`time.tp_exposed_s`)."""
     pp_comm_s: float
-    """Sends to and from the neighbouring stages (:func:`time.pp_comm_s`)."""
+    """Sends to and from the neighbouring stages not hidden (:func:`time.pp_comm_s`, :func:`time.pp_exposed_s`)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -226,7 +227,7 @@ def stage_memory(model: ModelSpec, hw: Hardware, plan: Plan, load: StageLoad) ->
 
 def memory_estimate(model: ModelSpec, hw: Hardware, plan: Plan) -> mem.MemoryEstimate:
     """Memory of the worst device: the stage with the largest shortfall (or least headroom)."""
-    loads = stage_loads(model, plan.pp)
+    loads = stage_loads(model, plan.pp, plan.stage_layers)
     return max((stage_memory(model, hw, plan, load) for load in loads), key=mem.MemoryEstimate.shortfall_bytes)
 
 
@@ -253,13 +254,19 @@ class TimeModel:
     Mutable (its memo tables grow); one per search and hardware, not shared between threads.
     """
 
-    __slots__ = ("_compute", "_dp", "_fwd", "_least_step_overhead_s", "_links", "_loads", "_offload", "_optimizer", "_overhead_s", "_rates", "_slowest", "hw", "model")
+    __slots__ = ("_compute", "_dp", "_fwd", "_least_step_overhead_s", "_links", "_loads", "_offload", "_optimizer", "_overhead_s", "_rates", "_slowest", "hw", "model", "overlaps", "stage_layers")
 
-    def __init__(self, model: ModelSpec, hw: Hardware) -> None:
+    def __init__(
+        self, model: ModelSpec, hw: Hardware, stage_layers: tuple[int, ...] | None = None, overlaps: Overlaps = Overlaps.DEFAULT
+    ) -> None:
         self.model = model
         """The model priced."""
         self.hw = hw
         """The hardware it is priced on."""
+        self.overlaps = overlaps
+        """What the runtime hides behind compute: the same for every plan priced (a search's candidates compare fairly)."""
+        self.stage_layers = stage_layers
+        """The layer split of its plans with pp = len(stage_layers) (None, and for every other pp: the default split)."""
         self._overhead_s: dict[tuple[int, int, Recompute, Offload], float] = {}
         self._least_step_overhead_s = min(hw.calibration.step_overhead(zero) for zero in range(4))
         self._loads: dict[int, tuple[StageLoad, ...]] = {}
@@ -276,7 +283,8 @@ class TimeModel:
         """:func:`stage_loads` of the model for ``pp`` stages."""
         loads = self._loads.get(pp)
         if loads is None:
-            loads = self._loads[pp] = stage_loads(self.model, pp)
+            fixed = self.stage_layers if self.stage_layers is not None and len(self.stage_layers) == pp else None
+            loads = self._loads[pp] = stage_loads(self.model, pp, fixed)
         return loads
 
     def rate(self, mbs: int, tp: int) -> float:
@@ -300,7 +308,11 @@ class TimeModel:
         key = (pp, load.index, mbs, tp)
         fwd = self._fwd.get(key)
         if fwd is None:
-            fwd = self._fwd[key] = tm.forward_s(load, mbs=mbs, tp=tp, flops_per_s=self.rate(mbs, tp), elementwise_s=self.hw.calibration.elementwise_s)
+            calibration = self.hw.calibration
+            fwd = self._fwd[key] = tm.forward_s(
+                load, mbs=mbs, tp=tp, flops_per_s=self.rate(mbs, tp), elementwise_s=calibration.elementwise_s,
+                attention_efficiency=calibration.attention_efficiency,
+            )
         return fwd
 
     def time(self, plan: Plan, order: tuple[Axis, ...] | None = None) -> tm.TimeEstimate:
@@ -330,8 +342,8 @@ class TimeModel:
 
     def compute_bound(self, *, tp: int, pp: int, vpp: int, mbs: int, gas: int) -> float:
         """:func:`compute_bound_s` of a plan with these fields (the only ones it depends on)."""
-        fwd = max(self.forward_s(pp, load, mbs, tp) for load in self.loads(pp))
-        microbatch_s = fwd + tm.backward_s(fwd) + min(self.microbatch_overhead_s(zero, pp, Recompute.NONE, Offload.NONE) for zero in range(4))
+        fwd, bwd = max((self._stage_compute(pp, load, mbs, tp, Recompute.NONE) for load in self.loads(pp)), key=sum)
+        microbatch_s = fwd + bwd + min(self.microbatch_overhead_s(zero, pp, Recompute.NONE, Offload.NONE) for zero in range(4))
         return gas * microbatch_s + tm.bubble_s(microbatch_s, pp=pp, vpp=vpp) + self._least_step_overhead_s
 
     def microbatch_overhead_s(self, zero: int, pp: int, recompute: Recompute, offload: Offload) -> float:
@@ -355,21 +367,31 @@ class TimeModel:
         key = (pp, load.index, mbs, tp, recompute)
         pair = self._compute.get(key)
         if pair is None:
-            fwd = self.forward_s(pp, load, mbs, tp)
-            bwd = tm.backward_s(fwd) + tm.recompute_s(load, mbs=mbs, tp=tp, recompute=recompute, flops_per_s=self.rate(mbs, tp),
-                                                      elementwise_s=self.hw.calibration.elementwise_s)
+            fwd, rate, calibration = self.forward_s(pp, load, mbs, tp), self.rate(mbs, tp), self.hw.calibration
+            attention_s = tm.fused_attention_s(
+                load.attention_kernel_flops, mbs=mbs, tp=tp, flops_per_s=rate, efficiency=calibration.attention_efficiency
+            )
+            bwd = tm.backward_s(fwd, attention_s) + tm.recompute_s(load, mbs=mbs, tp=tp, recompute=recompute, flops_per_s=rate,
+                                                                   elementwise_s=calibration.elementwise_s,
+                                                                   attention_efficiency=calibration.attention_efficiency)
             pair = self._compute[key] = (fwd, bwd)
         return pair
 
     def _slowest_stage(self, plan: Plan, tp_link: LinkSpec, pp_link: LinkSpec) -> StageTime:
         """The stage with the longest micro-batch (the first of equally slow ones, as max() picks)."""
-        pp, mbs, tp = plan.pp, plan.mbs, plan.tp
+        pp, mbs, tp, overlaps, overlap = plan.pp, plan.mbs, plan.tp, self.overlaps, self.hw.calibration.overlap
+        tp_hidden = tm.hidden_fraction(overlaps.hides_tp_comm(plan.sp), overlap)
+        pp_hidden = tm.hidden_fraction(overlaps.hides_pp_p2p(plan.vpp), overlap)
+        split = overlaps.splits_pp_p2p(tp, plan.sp)
         slowest = None  # (micro-batch, compute, tp, pp) seconds; named once the loop is done (records cost more to build)
         for load in self.loads(pp):
             fwd, bwd = self._stage_compute(pp, load, mbs, tp, plan.recompute)
             compute_s = fwd + bwd
-            tp_s = tm.tp_comm_s(load, mbs=mbs, tp=tp, recompute=plan.recompute, link=tp_link)
-            pp_s = tm.pp_comm_s(load, mbs=mbs, tp=tp, sp=plan.sp, pp=pp, vpp=plan.vpp, link=pp_link)
+            tp_all_s = tm.tp_comm_s(load, mbs=mbs, tp=tp, recompute=plan.recompute, link=tp_link)
+            tp_s = tm.tp_exposed_s(tp_all_s, compute_s, tp_hidden)
+            sends_s = tm.pp_comm_s(load, mbs=mbs, tp=tp, sp=plan.sp, pp=pp, vpp=plan.vpp, link=pp_link, split_over_tp=split)
+            gathers_s = tm.pp_split_gather_s(load, mbs=mbs, tp=tp, pp=pp, vpp=plan.vpp, link=tp_link) if split else 0.0
+            pp_s = tm.pp_exposed_s(sends_s, gathers_s, compute_s, pp_hidden)
             microbatch_s = compute_s + tp_s + pp_s
             if slowest is None or microbatch_s > slowest[0]:
                 slowest = (microbatch_s, compute_s, tp_s, pp_s)
@@ -392,6 +414,8 @@ class TimeModel:
             backward_time_s=bwd,
             overlap=self.hw.calibration.overlap,
             trainable=load.trainable_params,
+            overlaps=self.overlaps,
+            pp=plan.pp,
         )
 
     def _optimizer_s(self, plan: Plan) -> float:
@@ -431,9 +455,10 @@ class TimeModel:
         return seconds
 
 
-def time_estimate(model: ModelSpec, hw: Hardware, plan: Plan) -> tm.TimeEstimate:
-    """Step time: the slowest stage paces the pipeline; the slowest data-parallel group ends the step."""
-    return TimeModel(model, hw).time(plan)
+def time_estimate(model: ModelSpec, hw: Hardware, plan: Plan, overlaps: Overlaps = Overlaps.DEFAULT) -> tm.TimeEstimate:
+    """Step time: the slowest stage paces the pipeline; the slowest data-parallel group ends the step; ``overlaps`` is
+    what the runtime hides behind compute."""
+    return TimeModel(model, hw, plan.stage_layers, overlaps).time(plan)
 
 
 def compute_bound_s(model: ModelSpec, hw: Hardware, plan: Plan) -> float:
@@ -442,7 +467,7 @@ def compute_bound_s(model: ModelSpec, hw: Hardware, plan: Plan) -> float:
     Forward and backward of the slowest stage with every communication free, plus the bubble and
     the fixed overheads: each term of :func:`time_estimate` is at least this large.
     """
-    return TimeModel(model, hw).compute_bound(tp=plan.tp, pp=plan.pp, vpp=plan.vpp, mbs=plan.mbs, gas=plan.gas)
+    return TimeModel(model, hw, plan.stage_layers).compute_bound(tp=plan.tp, pp=plan.pp, vpp=plan.vpp, mbs=plan.mbs, gas=plan.gas)
 
 
 def hardware_flops_per_sample(model: ModelSpec, recompute: Recompute) -> float:
@@ -521,18 +546,23 @@ def check_plan(model: ModelSpec, cluster: ClusterSpec, plan: Plan) -> None:
         raise PlanError(f"plan {plan} offloads to the host, but cluster {cluster.name!r} has no host section (memory_gib, pcie_GBps)")
 
 
-def estimate_with(model: ModelSpec, hw: Hardware, plan: Plan, memory: mem.MemoryEstimate | None = None) -> Estimate:
+def estimate_with(
+    model: ModelSpec, hw: Hardware, plan: Plan, memory: mem.MemoryEstimate | None = None, overlaps: Overlaps = Overlaps.DEFAULT
+) -> Estimate:
     """Estimate on pre-derived hardware (the search calls this in its inner loop, with the memory it already has)."""
     return Estimate(
         model=model,
         plan=plan,
         memory=memory if memory is not None else memory_estimate(model, hw, plan),
-        time=time_estimate(model, hw, plan),
+        time=time_estimate(model, hw, plan, overlaps),
         world_size=hw.world_size,
     )
 
 
-def estimate(model: ModelSpec, cluster: ClusterSpec, plan: Plan) -> Estimate:
-    """Predict memory and step time of ``plan`` for ``model`` on ``cluster``; PlanError if the plan is invalid there."""
+def estimate(model: ModelSpec, cluster: ClusterSpec, plan: Plan, overlaps: Overlaps = Overlaps.DEFAULT) -> Estimate:
+    """Predict memory and step time of ``plan`` for ``model`` on ``cluster`` under a runtime that hides ``overlaps``
+    behind compute (a runtime's ``Capabilities.overlaps``; the default is the cost model's assumption, :attr:`Overlaps.DEFAULT`);
+    PlanError if the plan is invalid there.
+    The estimate's plan names its layer split when the split is uneven (:func:`stages.with_stage_layers`)."""
     check_plan(model, cluster, plan)
-    return estimate_with(model, Hardware.of(cluster, model), plan)
+    return estimate_with(model, Hardware.of(cluster, model), with_stage_layers(model, plan), overlaps=overlaps)

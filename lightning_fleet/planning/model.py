@@ -132,6 +132,13 @@ class BlockSpec:
     """Saved bytes per sample of attention scores (split by tp); selective recomputation drops them."""
     recompute_flops: float = 0.0
     """Forward FLOPs per sample that selective recomputation redoes (attention core)."""
+    attention_flops: float = 0.0
+    """The part of ``flops`` a fused attention kernel runs (its QK^T and scores x V, counted over every score as ``flops``
+    counts them): the time model prices it at the kernel's own rate and its backward at 2.5x (the kernel recomputes the
+    scores; :func:`time.fused_attention_s`). 0 when attention runs as separate matmuls (priced with the GEMMs)."""
+    attention_kernel_flops: float = 0.0
+    """Forward FLOPs per sample that fused kernel executes: ``attention_flops``, or half of it under a causal mask (the
+    kernel skips the score blocks above the diagonal; :func:`attention_kernel_flops`)."""
     output_bytes: float = 0.0
     """Bytes per sample of the block's output: a pipeline send, a tp all-reduce, the full-recompute checkpoint."""
     tp_allreduces_fwd: int = 0
@@ -158,11 +165,22 @@ class BlockSpec:
             act_sharded_bytes=self.act_sharded_bytes,
             act_attention_bytes=self.act_attention_bytes,
             recompute_flops=self.recompute_flops,
+            attention_flops=self.attention_flops,
+            attention_kernel_flops=self.attention_kernel_flops,
             output_bytes=self.output_bytes,
             tp_allreduces_fwd=self.tp_allreduces_fwd,
             tp_allreduces_bwd=self.tp_allreduces_bwd,
         )
         object.__setattr__(self, "role", Role(self.role))
+        if self.attention_flops > self.flops:
+            raise SpecError(
+                f"{where}attention_flops ({self.attention_flops:g}) must be <= flops ({self.flops:g}): they are part of them"
+            )
+        if self.attention_kernel_flops > self.attention_flops:
+            raise SpecError(
+                f"{where}attention_kernel_flops ({self.attention_kernel_flops:g}) must be <= attention_flops "
+                f"({self.attention_flops:g}): a fused kernel executes at most the scores it is given"
+            )
 
     @property
     def act_bytes(self) -> float:
@@ -268,7 +286,7 @@ class ModelSpec:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain mapping in the per-block YAML layout (unset trainable counts left out: all parameters train; unset
-        num_kv_heads and the default grad_accum_dtype left out)."""
+        num_kv_heads, the default grad_accum_dtype and blocks' zero fused-attention FLOPs left out)."""
         out = to_mapping(self)
         if self.tied_trainable_params is None:
             del out["tied_trainable_params"]
@@ -279,6 +297,9 @@ class ModelSpec:
         for block in out["blocks"]:
             if block["trainable_params"] is None:
                 del block["trainable_params"]
+            for key in ("attention_flops", "attention_kernel_flops"):
+                if not block[key]:
+                    del block[key]
         return out
 
     def to_yaml(self) -> str:
@@ -348,7 +369,7 @@ def _kind(enum: type[StrEnum], value: Any, where: str) -> Any:
         raise SpecError(f"{where} must be one of {', '.join(enum)}, got {value!r}") from None
 
 
-_ARCHITECTURE_KEYS = ("num_kv_heads", "tie_embeddings", "bias", "dropout", *_KINDS)
+_ARCHITECTURE_KEYS = ("num_kv_heads", "tie_embeddings", "bias", "dropout", "causal", *_KINDS)
 """Transformer YAML keys added for Llama-class models; left out of a dump when they keep the GPT default."""
 
 
@@ -389,6 +410,11 @@ class TransformerSpec:
     attention_kernel: AttentionKernel = AttentionKernel.MATH
     """math: the s x s attention scores are saved (Korthikanti 2022); flash: a fused kernel (FlashAttention / SDPA) keeps an
     fp32 logsumexp per head and token instead, and selective recomputation has nothing left to drop."""
+    causal: bool = True
+    """A causal attention mask (a decoder-only language model). The flash kernel skips the score blocks above the diagonal,
+    half of its QK^T and scores x V work (FlashAttention-2, Dao 2023, Sec. 3.1); the math kernel computes every score and
+    masks them, so it changes nothing there. false: every score is computed (bidirectional attention, or an explicit mask
+    passed to the kernel)."""
     precision: Precision = Precision.BF16_MIXED
     """bf16-mixed | fp16-mixed | fp32."""
     grad_accum_dtype: GradAccumDtype = GradAccumDtype.WORKING
@@ -512,6 +538,25 @@ def layer_attention_flops(s: int, h: int) -> float:
     """Forward FLOPs of QK^T and scores*V for one sample, 4*s^2*h whatever the K/V heads (GQA shares K and V between
     query heads, every query head still attends; Korthikanti 2022, Sec. 5: what selective recomputation redoes)."""
     return 4.0 * s * s * h
+
+
+CAUSAL_ATTENTION_SHARE = 0.5
+"""Share of the s x s scores a fused kernel computes under a causal mask: the blocks on and below the diagonal, "about
+half" (FlashAttention-2, Dao 2023, Sec. 3.1); counted as exactly half, as the FlashAttention repository counts causal
+attention FLOPs (benchmarks/benchmark_flash_attention.py: ``4 * batch * seqlen**2 * nheads * headdim // (2 if causal else
+1)``)."""
+
+
+def fused_attention_flops(s: int, h: int, kernel: AttentionKernel = AttentionKernel.MATH) -> float:
+    """The part of a layer's forward FLOPs a fused attention kernel runs: the attention core 4*s^2*h under flash (counted
+    over every score, as :func:`layer_flops` counts it); none under math, whose matmuls are priced with the GEMMs."""
+    return layer_attention_flops(s, h) if kernel is AttentionKernel.FLASH else 0.0
+
+
+def attention_kernel_flops(s: int, h: int, *, kernel: AttentionKernel = AttentionKernel.MATH, causal: bool = True) -> float:
+    """Forward FLOPs the fused kernel executes per sample: :func:`fused_attention_flops`, times CAUSAL_ATTENTION_SHARE under
+    a causal mask (2*s^2*h)."""
+    return fused_attention_flops(s, h, kernel) * (CAUSAL_ATTENTION_SHARE if causal else 1.0)
 
 
 def layer_flops(s: int, h: int, f: int, *, kv_dim: int | None = None, ffn_kind: FfnKind = FfnKind.GELU) -> float:
@@ -671,6 +716,8 @@ def _layer_block(spec: TransformerSpec) -> BlockSpec:
         act_sharded_bytes=layer_act_sharded_bytes(s, h, f, e, a=a, kv_dim=kv, ffn_kind=kind, kernel=kernel),
         act_attention_bytes=layer_act_attention_bytes(s, a, e, dropout=spec.dropout, kernel=kernel),
         recompute_flops=layer_recompute_flops(s, h, kernel),
+        attention_flops=fused_attention_flops(s, h, kernel),
+        attention_kernel_flops=attention_kernel_flops(s, h, kernel=kernel, causal=spec.causal),
         output_bytes=float(e * s * h),
         tp_allreduces_fwd=2,  # after attention and after the MLP (Megatron g operators)
         tp_allreduces_bwd=2,  # at their inputs (Megatron f operators)

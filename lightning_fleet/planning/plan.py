@@ -6,7 +6,9 @@ String form (also ``str(plan)``)::
 
 Keys may be left out when parsing: zero=0, mbs=1, recompute=none, sp=false, vpp=1, offload=none,
 gas derived from the global batch size. ``order=tp-dp-pp`` (innermost axis first) is printed only
-when it differs from the default placement.
+when it differs from the default placement, and ``stage_layers=7/8/8/7`` (transformer layers per
+pipeline stage, first to last) only when the layers split unevenly; without it a pipeline splits
+them evenly when pp divides them, else as :func:`lightning_fleet.planning.stages.balanced_stage_layers` says.
 
 A :class:`PartialPlan` (:func:`parse_partial_plan`) reads the same strings with the other meaning:
 the keys given are fixed and the planner chooses the rest (``dp=2,zero=1``: ZeRO-1 on two replicas,
@@ -75,7 +77,10 @@ class Coordinates:
                 raise PlanError(f"coordinates: {axis} must be a non-negative integer index, got {index!r}")
 
 
-_KEYS = ("dp", "tp", "pp", "zero", "mbs", "gas", "recompute", "sp", "vpp", "offload", "order")
+_KEYS = ("dp", "tp", "pp", "zero", "mbs", "gas", "recompute", "sp", "vpp", "offload", "order", "stage_layers")
+_OPTIONAL = ("gas", "order", "stage_layers")
+"""Keys a whole plan may leave out: gas follows from the global batch, order defaults to tp-dp-pp, stage_layers to the
+default split."""
 _INT_KEYS = ("dp", "tp", "pp", "mbs", "gas", "vpp")
 
 
@@ -105,6 +110,9 @@ class Plan:
     """Host offload."""
     order: tuple[Axis, ...] = DEFAULT_ORDER
     """Placement of the axes on ranks, innermost (consecutive ranks) first."""
+    stage_layers: tuple[int, ...] | None = None
+    """Transformer layers on each pipeline stage, first to last (None: the default split, even when pp divides the
+    layers); an even split is kept as None, so each split has one spelling."""
 
     def __post_init__(self) -> None:
         for name in _INT_KEYS:  # the checks of _check_positive and _check_zero, inline: the search builds many plans
@@ -121,6 +129,10 @@ class Plan:
             object.__setattr__(self, "order", _check_order(self.order))
         if self.sp and self.tp == 1 or self.vpp > 1 and self.pp == 1 or self.offload is not Offload.NONE:
             _check_pairs(tp=self.tp, pp=self.pp, zero=self.zero, sp=self.sp, vpp=self.vpp, offload=self.offload)
+        if self.stage_layers is not None:
+            split = _check_stage_layers(self.stage_layers)
+            _check_split_pairs(split, pp=self.pp, vpp=self.vpp)
+            object.__setattr__(self, "stage_layers", None if len(set(split)) == 1 else split)
 
     @property
     def world_size(self) -> int:
@@ -139,6 +151,8 @@ class Plan:
         )
         if self.order != DEFAULT_ORDER:
             text += f",order={'-'.join(self.order)}"
+        if self.stage_layers is not None:
+            text += f",stage_layers={field_text(self.stage_layers)}"
         return text
 
     def stride(self, axis: Axis) -> int:
@@ -176,11 +190,15 @@ class Plan:
         return sum(getattr(coordinates, axis.value) * self.stride(axis) for axis in Axis)
 
     def to_dict(self) -> dict[str, object]:
-        """The plan as JSON-ready values (order as 'tp-dp-pp')."""
+        """The plan as JSON-ready values (order as 'tp-dp-pp'; stage_layers as a list, and only when the split is uneven)."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out["recompute"] = str(self.recompute)
         out["offload"] = str(self.offload)
         out["order"] = "-".join(self.order)
+        if self.stage_layers is None:
+            del out["stage_layers"]
+        else:
+            out["stage_layers"] = list(self.stage_layers)
         return out
 
     def replace(self, **changes: object) -> "Plan":
@@ -199,8 +217,13 @@ class Plan:
             problems.append(f"tp({self.tp}) does not divide num_heads({num_heads})")
         elif num_kv_heads is not None and num_kv_heads % self.tp:
             problems.append(f"tp({self.tp}) does not divide num_kv_heads({num_kv_heads})")
-        if num_layers % (self.pp * self.vpp):
+        if self.stage_layers is not None:
+            if sum(self.stage_layers) != num_layers:
+                problems.append(f"stage_layers={field_text(self.stage_layers)} adds up to {sum(self.stage_layers)} != num_layers({num_layers})")
+        elif self.vpp > 1 and num_layers % (self.pp * self.vpp):
             problems.append(f"pp({self.pp}) * vpp({self.vpp}) = {self.pp * self.vpp} does not divide num_layers({num_layers})")
+        elif self.pp > num_layers:
+            problems.append(f"pp({self.pp}) > num_layers({num_layers}): every stage needs a layer (or give stage_layers)")
         if self.global_batch_size != global_batch_size:
             problems.append(
                 f"dp({self.dp}) * mbs({self.mbs}) * gas({self.gas}) = {self.global_batch_size} != global batch size {global_batch_size}"
@@ -237,6 +260,39 @@ def _check_order(order: object) -> tuple[Axis, ...]:
     if sorted(axes) != sorted(Axis):
         raise PlanError(f"plan: order must name dp, tp and pp once each, got {'-'.join(axes)}")
     return axes
+
+
+def _check_stage_layers(value: object) -> tuple[int, ...]:
+    """Layer counts per stage as a tuple: non-negative integers, at least one layer in all."""
+    if isinstance(value, str) or not isinstance(value, (tuple, list)):
+        raise PlanError(f"plan: stage_layers must be layer counts per stage such as 7/8/8/7, got {value!r}")
+    if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in value) or not sum(value):
+        raise PlanError(f"plan: stage_layers must be non-negative layer counts with at least one layer, got {value!r}")
+    return tuple(value)
+
+
+def _check_split_pairs(split: tuple[int, ...], *, pp: int | None, vpp: int | None) -> None:
+    """The rules between stage_layers and pp or vpp, where those are known: one count per stage, a layer on every stage
+    between the first and the last (those hold the embedding and the head), and under interleaving a layer in every
+    virtual stage, the end stages' embedding and head filling one of theirs (Llama 3 405B: 126 layers on 16 stages x 8
+    virtual stages as 7/8x14/7, "the first model chunk on the first stage has only the embedding", arXiv 2407.21783
+    Sec. 3.3.2)."""
+    text = field_text(split)
+    if pp is not None and len(split) != pp:
+        raise PlanError(f"plan: stage_layers={text} names {len(split)} stages, but pp={pp}: give one count per stage")
+    if len(split) < 2:
+        raise PlanError(f"plan: stage_layers={text} needs pp > 1 (it splits the layers of a pipeline)")
+    if 0 in split[1:-1]:
+        raise PlanError(
+            f"plan: stage_layers={text} leaves a middle stage without layers: only the first and the last stage "
+            "(which hold the embedding and the head) may hold none"
+        )
+    if vpp is not None and vpp > 1 and (min(split[1:-1], default=vpp) < vpp or min(split[0], split[-1]) < vpp - 1):
+        raise PlanError(
+            f"plan: stage_layers={text} with vpp={vpp}: each of a stage's {vpp} virtual stages needs a layer (the first "
+            "and the last stage's embedding or head may fill one of theirs): give every middle stage at least vpp layers "
+            "and the end stages at least vpp - 1, or use vpp=1"
+        )
 
 
 def _check_pairs(
@@ -294,6 +350,8 @@ def _parse_value(key: str, value: str, text: str) -> object:
         return value.lower() == "true"
     if key == "order":
         return tuple(value.split("-"))
+    if key == "stage_layers":
+        return _parse_stage_layers(value, text)
     if key in ("recompute", "offload"):
         return value
     try:
@@ -302,11 +360,23 @@ def _parse_value(key: str, value: str, text: str) -> object:
         raise PlanError(f"plan {text!r}: {key} must be an integer, got {value!r}") from None
 
 
+def _parse_stage_layers(value: str, text: str) -> tuple[int, ...]:
+    """``7/8/8/7`` as (7, 8, 8, 7)."""
+    try:
+        return tuple(int(n) for n in value.split("/"))
+    except ValueError:
+        raise PlanError(f"plan {text!r}: stage_layers must be layer counts per stage such as 7/8/8/7, got {value!r}") from None
+
+
 def plan_from_mapping(data: Mapping[str, object]) -> Plan:
-    """A Plan from a dict such as :meth:`Plan.to_dict` produces."""
+    """A Plan from a dict such as :meth:`Plan.to_dict` produces (stage_layers as a list or as ``7/8/8/7``)."""
     data = dict(data)
     if isinstance(data.get("order"), str):
         data["order"] = tuple(str(data["order"]).split("-"))
+    if isinstance(data.get("stage_layers"), str):
+        data["stage_layers"] = _parse_stage_layers(str(data["stage_layers"]), str(data["stage_layers"]))
+    elif isinstance(data.get("stage_layers"), list):
+        data["stage_layers"] = tuple(data["stage_layers"])  # type: ignore[arg-type]
     return Plan(**data)
 
 
@@ -341,6 +411,8 @@ class PartialPlan:
     """Host offload."""
     order: tuple[Axis, ...] | None = None
     """Placement of the axes on ranks, innermost first."""
+    stage_layers: tuple[int, ...] | None = None
+    """Transformer layers per pipeline stage, first to last (None: the default split); fixes pp to its length."""
 
     def __post_init__(self) -> None:
         for name in _INT_KEYS:
@@ -357,6 +429,12 @@ class PartialPlan:
         if self.order is not None:
             object.__setattr__(self, "order", _check_order(self.order))
         _check_pairs(tp=self.tp, pp=self.pp, zero=self.zero, sp=self.sp, vpp=self.vpp, offload=self.offload)
+        if self.stage_layers is not None:
+            split = _check_stage_layers(self.stage_layers)
+            _check_split_pairs(split, pp=self.pp, vpp=self.vpp)
+            object.__setattr__(self, "stage_layers", split)
+            if self.pp is None:
+                object.__setattr__(self, "pp", len(split))
 
     @property
     def fixed(self) -> dict[str, object]:
@@ -366,8 +444,8 @@ class PartialPlan:
     @property
     def missing(self) -> tuple[str, ...]:
         """The axes still to choose before this is a whole plan (gas follows from the global batch, order defaults to
-        tp-dp-pp)."""
-        return tuple(name for name in _KEYS if name not in ("gas", "order") and getattr(self, name) is None)
+        tp-dp-pp, stage_layers to the default split)."""
+        return tuple(name for name in _KEYS if name not in _OPTIONAL and getattr(self, name) is None)
 
     @property
     def complete(self) -> bool:
@@ -416,11 +494,11 @@ class PartialPlan:
 
 
 def field_text(value: object) -> str:
-    """A plan field's value as the plan string writes it (true, tp-dp-pp, optimizer+params, 4)."""
+    """A plan field's value as the plan string writes it (true, tp-dp-pp, optimizer+params, 4, 7/8/8/7)."""
     if isinstance(value, bool):
         return str(value).lower()
     if isinstance(value, tuple):
-        return "-".join(value)
+        return "/".join(str(n) for n in value) if all(isinstance(n, int) for n in value) else "-".join(value)
     return str(value)
 
 

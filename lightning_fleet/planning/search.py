@@ -26,7 +26,9 @@ for memory. That test compares activation bytes with *rooms*, the largest value 
 next to a stage's other bytes as floats round the sum (:func:`room`), so it decides exactly as the
 sum does; which variants fit then depends only on where the activation bytes rank among a layout's
 rooms, and is kept per ranking. Step times come from memoised pieces
-(:class:`~lightning_fleet.planning.estimate.TimeModel`) equal bit for bit to :func:`estimate`'s.
+(:class:`~lightning_fleet.planning.estimate.TimeModel`) equal bit for bit to :func:`estimate`'s, every candidate's
+with the one :class:`~lightning_fleet.planning.overlap.Overlaps` of the constraints (what the runtime hides behind
+compute), so no layout wins by an overlap the others are denied.
 
 Every plan not chosen comes back as a :class:`Rejection` with a :class:`RejectionKind` to branch on.
 
@@ -58,8 +60,9 @@ from lightning_fleet.planning.estimate import (
 )
 from lightning_fleet.planning.memory import MemoryEstimate
 from lightning_fleet.planning.model import ModelSpec
+from lightning_fleet.planning.overlap import Overlaps
 from lightning_fleet.planning.plan import DEFAULT_ORDER, Axis, Offload, PartialPlan, Plan, Recompute, field_text
-from lightning_fleet.planning.stages import StageLoad
+from lightning_fleet.planning.stages import StageLoad, check_stage_layers, stage_layers
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -109,6 +112,13 @@ class Constraints:
     """Exact number of virtual pipeline stages (None: any within max_vpp)."""
     order: tuple[Axis, ...] | None = None
     """Exact placement of every plan (None: tp-dp-pp, and others when search_placement)."""
+    overlaps: Overlaps = Overlaps.DEFAULT
+    """What the runtime hides behind compute; every candidate is priced with it (a runtime's ``Capabilities.overlaps``)."""
+    uneven_stages: bool = True
+    """Allow a pipeline degree that does not divide the layers (its stages split by the default rule,
+    :func:`~lightning_fleet.planning.stages.balanced_stage_layers`); False: pp must divide num_layers."""
+    stage_layers: tuple[int, ...] | None = None
+    """Exact layers per pipeline stage of every plan, first to last (None: the default split); pp must be its length."""
 
     def __post_init__(self) -> None:
         order = list(Recompute)  # none < selective < full: the search relies on this order
@@ -131,6 +141,14 @@ class Constraints:
             object.__setattr__(self, "order", _placement(self.order))
         if self.sp is not None and not isinstance(self.sp, bool):
             raise PlanError(f"constraint sp must be True, False or None, got {self.sp!r}")
+        if not isinstance(self.overlaps, Overlaps):
+            raise PlanError(f"constraint overlaps must be an Overlaps value (Overlaps.of([...names])), got {self.overlaps!r}")
+        if self.stage_layers is not None:
+            split = PartialPlan(stage_layers=self.stage_layers).stage_layers
+            if self.pp not in (None, len(split)):  # type: ignore[arg-type]
+                raise PlanError(f"constraint stage_layers={field_text(split)} names {len(split)} stages, but pp={self.pp}")  # type: ignore[arg-type]
+            object.__setattr__(self, "stage_layers", split)
+            object.__setattr__(self, "pp", len(split))  # type: ignore[arg-type]
         if not self.zero_stages or not self.recompute or not _allowed_offloads(self):
             raise PlanError("constraints leave no ZeRO stage, recompute mode or offload mode to choose from")
 
@@ -201,6 +219,12 @@ def narrow(base: Constraints, partial: PartialPlan) -> Constraints:
         if partial.order != DEFAULT_ORDER and not base.search_placement:
             raise refuse("order", partial.order, "the default placement tp-dp-pp only")
         changes["order"] = partial.order
+    if partial.stage_layers is not None:
+        if base.stage_layers not in (None, partial.stage_layers):
+            raise refuse("stage_layers", partial.stage_layers, f"stage_layers={field_text(base.stage_layers)}")
+        if not base.uneven_stages and len(set(partial.stage_layers)) > 1:
+            raise refuse("stage_layers", partial.stage_layers, "an even split only, as this runtime runs no uneven stages")
+        changes["stage_layers"] = partial.stage_layers
     if partial.tp is not None and partial.pp is not None and partial.tp > 1 and partial.pp > 1 and not base.tp_with_pp:
         raise refuse("tp", partial.tp, "tp=1 when pp > 1")
     if partial.zero is not None:
@@ -310,11 +334,30 @@ def _offloads(zero: int, cons: Constraints, has_host: bool) -> list[Offload]:
 
 @dataclass(frozen=True, slots=True)
 class _Layout:
-    """A split of the world into dp x tp x pp devices."""
+    """A split of the world into dp x tp x pp devices, and of the layers into the pp stages (None: even)."""
 
     dp: int
     tp: int
     pp: int
+    split: tuple[int, ...] | None = None
+
+
+def _split(model: ModelSpec, cons: Constraints, pp: int) -> tuple[int, ...] | None:
+    """The layers per stage of a layout's plans: the fixed split, else the default; None when it is even."""
+    split = stage_layers(model, pp, cons.stage_layers if cons.stage_layers is not None and len(cons.stage_layers) == pp else None)
+    return None if len(set(split)) == 1 else split
+
+
+def _pp_excluded(model: ModelSpec, cons: Constraints, pp: int) -> bool:
+    """The layers cannot go on ``pp`` stages here: more stages than layers, or an uneven split the constraints forbid."""
+    return pp > model.num_layers or (not cons.uneven_stages and model.num_layers % pp != 0)
+
+
+def _vpps(model: ModelSpec, cons: Constraints, layout: _Layout) -> list[int]:
+    """Virtual stages a layout may interleave: divisors of its layers per stage, with an even split only."""
+    if layout.pp == 1 or layout.split is not None:
+        return [1]
+    return [v for v in divisors(model.num_layers // layout.pp) if cons.max_vpp is None or v <= cons.max_vpp]
 
 
 def _layouts(model: ModelSpec, world: int, cons: Constraints, rejected: list[Rejection]) -> list[_Layout]:
@@ -324,7 +367,7 @@ def _layouts(model: ModelSpec, world: int, cons: Constraints, rejected: list[Rej
         if model.kv_heads % tp or (cons.max_tp and tp > cons.max_tp) or cons.tp not in (None, tp):
             continue
         for pp in divisors(world // tp):
-            if model.num_layers % pp or (cons.max_pp and pp > cons.max_pp) or cons.pp not in (None, pp):
+            if _pp_excluded(model, cons, pp) or (cons.max_pp and pp > cons.max_pp) or cons.pp not in (None, pp):
                 continue
             dp = world // (tp * pp)
             if tp > 1 and pp > 1 and not cons.tp_with_pp or cons.dp not in (None, dp):
@@ -333,16 +376,13 @@ def _layouts(model: ModelSpec, world: int, cons: Constraints, rejected: list[Rej
                 reason = f"dp({dp}) does not divide the global batch size {model.global_batch_size}"
                 rejected.append(Rejection(plan=f"dp={dp},tp={tp},pp={pp}", kind=RejectionKind.LAYOUT, reason=reason))
                 continue
-            out.append(_Layout(dp, tp, pp))
-    return out
+            out.append(_Layout(dp, tp, pp, _split(model, cons, pp) if pp > 1 else None))
+    return sorted(out, key=lambda layout: layout.split is not None)  # uneven splits last: the even ones' times bound them
 
 
 def _variants(layout: _Layout, model: ModelSpec, cons: Constraints) -> list[tuple[int, bool, int]]:
     """The (vpp, sp, zero) combinations of a layout, vpp outermost and zero innermost (tuples: the search makes many)."""
-    vpps = [1]
-    if layout.pp > 1:
-        vpps = [v for v in divisors(model.num_layers // layout.pp) if cons.max_vpp is None or v <= cons.max_vpp]
-    vpps = [v for v in vpps if cons.vpp in (None, v)]
+    vpps = [v for v in _vpps(model, cons, layout) if cons.vpp in (None, v)]
     sps = [False, True] if layout.tp > 1 and cons.allow_sp else [False]
     sps = [sp for sp in sps if cons.sp in (None, sp)]
     top_zero = cons.max_zero_with_pp if layout.pp > 1 else 3
@@ -597,8 +637,8 @@ class _Search:
         self._top_times: list[float] = []  # negated step times of the best `top` priced so far (a max-heap)
         self._reported_times: list[float] = []  # negated step times of the best `reported` priced so far (a max-heap)
         self.hw = Hardware.of(cluster, model)
-        self.times = TimeModel(model, self.hw)
-        self.fastest = TimeModel(model, self.hw.with_fastest_links())
+        self.times = TimeModel(model, self.hw, cons.stage_layers, cons.overlaps)
+        self.fastest = TimeModel(model, self.hw.with_fastest_links(), cons.stage_layers, cons.overlaps)
         self._fastest_s: dict[int, float] = {}  # id(estimate) -> its step time with every collective on the fastest link
         self.activations = ActivationModel()
         self.has_host = cluster.host is not None
@@ -728,7 +768,7 @@ class _Search:
             if fitting is None:
                 fitting = acts.fits[zero] = table.fitting(states, acts.signature)
             fields = {"dp": layout.dp, "tp": tp, "pp": pp, "zero": zero, "mbs": mbs, "gas": acts.gas, "sp": sp, "vpp": vpp,
-                      "order": order}
+                      "order": order, "stage_layers": layout.split}
             if not fitting:
                 self._misfit(fields, acts, states)
                 candidates += family * (len(mbs_values) - i)
@@ -856,6 +896,8 @@ def plan(
     if top < 1:
         raise PlanError(f"top must be >= 1, got {top}")
     cons = constraints if constraints is not None else Constraints(**constraint_fields)  # type: ignore[arg-type]
+    if cons.stage_layers is not None:
+        check_stage_layers(model, cons.stage_layers)
     started = _clock.perf_counter()
     search = _Search(model, cluster, cons, top=top, reported=top + max(max_rejected, 0), exhaustive=exhaustive)
     search.run()
@@ -925,7 +967,7 @@ def _remedies(cluster: ClusterSpec, cons: Constraints, *, device_short: bool, ho
         limits = [f"{name}={getattr(cons, name)}" for name in ("max_tp", "max_pp") if getattr(cons, name) is not None]
         if limits:
             helps.append(f"allow larger tp / pp ({', '.join(limits)})")
-        fixed = [f"{name}={field_text(getattr(cons, name))}" for name in ("dp", "tp", "pp", "gas", "sp", "vpp")
+        fixed = [f"{name}={field_text(getattr(cons, name))}" for name in ("dp", "tp", "pp", "gas", "sp", "vpp", "stage_layers")
                  if getattr(cons, name) is not None]
         if fixed:
             helps.append(f"leave {', '.join(fixed)} to the planner")
@@ -966,7 +1008,7 @@ def _no_candidates(model: ModelSpec, cluster: ClusterSpec, cons: Constraints) ->
             dp = world // (tp * pp)
             exclusion = _layout_exclusion(model, cons, dp, tp, pp)
             if exclusion is None:
-                layouts.append(_Layout(dp, tp, pp))
+                layouts.append(_Layout(dp, tp, pp, _split(model, cons, pp) if pp > 1 else None))
             else:
                 reasons.setdefault(exclusion.reason, exclusion)
     if not layouts:
@@ -1022,7 +1064,8 @@ def _layout_exclusion(model: ModelSpec, cons: Constraints, dp: int, tp: int, pp:
         (model.kv_heads % tp, _by_size, _heads_rule(model)),
         (cons.max_tp and tp > cons.max_tp, _by_constraint, f"tp is limited to max_tp={cons.max_tp}"),
         (cons.tp not in (None, tp), _by_constraint, f"tp is fixed to {cons.tp}"),
-        (model.num_layers % pp, _by_size, f"pp must divide num_layers ({model.num_layers})"),
+        (pp > model.num_layers, _by_size, f"pp must be at most num_layers ({model.num_layers})"),
+        (not cons.uneven_stages and model.num_layers % pp, _by_size, f"pp must divide num_layers ({model.num_layers}) here"),
         (cons.max_pp and pp > cons.max_pp, _by_constraint, f"pp is limited to max_pp={cons.max_pp}"),
         (cons.pp not in (None, pp), _by_constraint, f"pp is fixed to {cons.pp}"),
         (tp > 1 and pp > 1 and not cons.tp_with_pp, _by_constraint, "tp > 1 and pp > 1 cannot be combined here"),
@@ -1036,9 +1079,7 @@ def _variant_exclusions(model: ModelSpec, cons: Constraints, layout: _Layout, ha
     """Why a layout that passes :func:`_layouts` still has no candidate, as :func:`_variants`, :func:`_offloads` and
     :func:`_micro_batch_sizes` decide (each reason with what could lift it)."""
     out: list[_Exclusion] = []
-    vpps = [1]
-    if layout.pp > 1:
-        vpps = [v for v in divisors(model.num_layers // layout.pp) if cons.max_vpp is None or v <= cons.max_vpp]
+    vpps = _vpps(model, cons, layout)
     if cons.vpp not in (None, *vpps):
         out.append(_by_constraint(f"vpp={cons.vpp} needs pp > 1 with pp * vpp dividing num_layers ({model.num_layers})" + (
             f" and vpp <= max_vpp={cons.max_vpp}" if cons.max_vpp is not None else "")))

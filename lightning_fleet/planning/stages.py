@@ -1,15 +1,25 @@
-"""What one pipeline stage holds: the per-sample sums over its blocks that the cost terms need.
+"""What one pipeline stage holds: its layers (:func:`stage_layers`) and the per-sample sums over its blocks that the
+cost terms need (:func:`stage_loads`).
+
+The layers of a pipeline split evenly when pp divides them; otherwise the default split balances the stages by cost,
+with the embedding and the head (the model's pre and post blocks) counted as load of the first and the last stage
+(:func:`balanced_stage_layers`), as Llama 3 405B did: "To balance the pipeline, we reduce one Transformer layer each
+from the first and the last stages" (Llama Team 2024, arXiv 2407.21783, Sec. 3.3.2), and BLOOM 176B with its
+embedding as a stage slot at each end. A plan may also fix the split (``Plan.stage_layers``).
 
 Pure; imported by the memory, time, estimate and search modules.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 from dataclasses import dataclass
 
+from lightning_fleet.planning.errors import PlanError
 from lightning_fleet.planning.model import BlockSpec, ModelSpec, Role
+from lightning_fleet.planning.plan import Plan
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -36,6 +46,14 @@ class StageLoad:
     """The part of ``elementwise`` that belongs to layer blocks (redone by full recomputation)."""
     recompute_flops: float = 0.0
     """Forward FLOPs per sample redone by selective recomputation."""
+    attention_flops: float = 0.0
+    """The part of ``flops`` fused attention kernels run, all blocks (:attr:`BlockSpec.attention_flops`)."""
+    attention_kernel_flops: float = 0.0
+    """Forward FLOPs per sample those kernels execute (half of them under a causal mask)."""
+    layer_attention_flops: float = 0.0
+    """The part of ``attention_flops`` that belongs to layer blocks (redone by full recomputation)."""
+    layer_attention_kernel_flops: float = 0.0
+    """The part of ``attention_kernel_flops`` that belongs to layer blocks."""
     act_replicated_bytes: float = 0.0
     """Saved bytes per sample that tp keeps whole (sp splits them)."""
     act_sharded_bytes: float = 0.0
@@ -66,10 +84,167 @@ class StageLoad:
     """Bytes per sample the stage sends to the next one (its last block's output)."""
 
 
-def _layer_slice(model: ModelSpec, pp: int, index: int) -> list[tuple[BlockSpec, int]]:
-    """Blocks on stage ``index`` with how many of each: layers split evenly by position."""
+_SLACK = 1.0 + 1e-9
+"""Stage costs within this factor count as equal: sums of equal layers at other positions differ only by rounding."""
+
+
+def stage_layers(model: ModelSpec, pp: int, fixed: tuple[int, ...] | None = None) -> tuple[int, ...]:
+    """Layers on each of ``pp`` stages, first to last: ``fixed`` when given (PlanError unless it fits the model),
+    else an even split when pp divides the layers, else :func:`balanced_stage_layers`."""
+    if fixed is not None:
+        check_stage_layers(model, fixed)
+        if len(fixed) != pp:
+            raise PlanError(f"plan: stage_layers={_text(fixed)} names {len(fixed)} stages, but pp={pp}: give one count per stage")
+        return tuple(fixed)
     total = model.num_layers
-    lo, hi = index * total // pp, (index + 1) * total // pp
+    if total % pp == 0:
+        return (total // pp,) * pp
+    return balanced_stage_layers(model, pp)
+
+
+def check_stage_layers(model: ModelSpec, fixed: tuple[int, ...]) -> None:
+    """PlanError unless ``fixed`` splits exactly the model's layers and leaves a stage empty only where the embedding
+    (first stage) or the head (last stage) occupies it."""
+    if sum(fixed) != model.num_layers:
+        raise PlanError(
+            f"plan: stage_layers={_text(fixed)} holds {sum(fixed)} layers, but model {model.name!r} has {model.num_layers}: "
+            "the counts must add up to num_layers"
+        )
+    minimum = _least_layers(model, len(fixed))
+    for index, (count, least) in enumerate(zip(fixed, minimum)):
+        if count < least:
+            raise PlanError(
+                f"plan: stage_layers={_text(fixed)} leaves stage {index} without layers, and model {model.name!r} has no "
+                f"{'pre' if index == 0 else 'post'} block to put there: give it at least one layer"
+            )
+
+
+@functools.lru_cache(maxsize=1024)
+def balanced_stage_layers(model: ModelSpec, pp: int) -> tuple[int, ...]:
+    """The default split when pp does not divide the layers: the contiguous split whose busiest stage carries the least
+    load, a stage's load being the larger of its forward FLOPs and its parameters, each in units of the average layer's,
+    with the embedding and the head (pre and post blocks) counted on the first and the last stage. So an embedding or
+    head about as large as a layer takes a layer's slot: Llama 3.1 405B's 126 layers on 16 stages split 7/8x14/7 (Llama
+    Team 2024, Sec. 3.3.2) and BLOOM's 70 on 12 split 5/6x10/5, "[embed | 5 transformer blocks]" on pp rank 0 and
+    "[5 transformer blocks | embed]" on rank 11 (``--pp-partition-method 'type:transformer|embedding'``,
+    bigscience-workshop/bigscience train/tr11-176B-ml/README.md, Architecture). Among the splits with that least load, stages fill from the last, so the
+    first stages, which keep the most micro-batches in flight under 1F1B
+    (:func:`lightning_fleet.planning.memory.in_flight_microbatches`), take what remains. Every stage keeps at least one
+    layer, except an end stage that holds pre or post blocks. Needs pp <= num_layers."""
+    if not 1 <= pp <= model.num_layers:
+        raise PlanError(f"plan: pp({pp}) must be between 1 and num_layers({model.num_layers}) to split the layers")
+    costs = _LayerCosts(model, pp)
+    split = costs.fill(costs.bounds(costs.least_load() * _SLACK))
+    assert split is not None  # the load came from a split within it
+    return split
+
+
+def _least_layers(model: ModelSpec, pp: int) -> list[int]:
+    """Per stage, the fewest layers it may hold: 0 for an end stage with pre (first) or post (last) blocks, else 1."""
+    least = [1] * pp
+    if pp > 1:
+        least[0] = 0 if any(b.role is Role.PRE for b in model.blocks) else 1
+        least[-1] = 0 if any(b.role is Role.POST for b in model.blocks) else 1
+    return least
+
+
+def _text(split: tuple[int, ...]) -> str:
+    return "/".join(str(n) for n in split)
+
+
+class _LayerCosts:
+    """Prefix sums of the layers' forward FLOPs and parameters, and the end stages' extra blocks, for splitting (resource
+    0: FLOPs, 1: parameters)."""
+
+    def __init__(self, model: ModelSpec, pp: int) -> None:
+        self.pp = pp
+        self.prefix: tuple[list[float], list[float]] = ([0.0], [0.0])
+        for block in model.blocks:
+            if block.role is Role.LAYER:
+                for _ in range(block.count):
+                    self.prefix[0].append(self.prefix[0][-1] + block.flops)
+                    self.prefix[1].append(self.prefix[1][-1] + block.params)
+        pre = [b for b in model.blocks if b.role is Role.PRE]
+        post = [b for b in model.blocks if b.role is Role.POST]
+        self.extra = [(0.0, 0.0)] * pp
+        self.extra[0] = (sum(b.flops * b.count for b in pre), sum(b.params * b.count for b in pre))
+        last = (sum(b.flops * b.count for b in post), sum(b.params * b.count for b in post))
+        self.extra[-1] = (self.extra[-1][0] + last[0], self.extra[-1][1] + last[1])
+        layers = len(self.prefix[0]) - 1
+        self.unit = (self.prefix[0][-1] / layers, self.prefix[1][-1] / layers)
+        """The average layer's forward FLOPs and parameters: the units of a stage's load."""
+        least = _least_layers(model, pp)
+        self.least = least
+        self.before = [sum(least[:i]) for i in range(pp)]  # layers the stages before each one need at least
+
+    def cost(self, resource: int, lo: int, hi: int, stage: int) -> float:
+        """FLOPs (resource 0) or parameters (1) of a stage holding layers lo..hi-1."""
+        return self.prefix[resource][hi] - self.prefix[resource][lo] + self.extra[stage][resource]
+
+    def _fits(self, lo: int, hi: int, stage: int, bounds: tuple[float, float]) -> bool:
+        return self.cost(0, lo, hi, stage) <= bounds[0] and self.cost(1, lo, hi, stage) <= bounds[1]
+
+    def _most(self, resource: int, hi: int, stage: int, bound: float) -> int:
+        """The most layers ending before ``hi`` that keep the stage within ``bound`` in ``resource`` (prefix sums never
+        decrease, so a bisection finds it; the steps after it only settle what rounding left open)."""
+        prefix = self.prefix[resource]
+        n = hi - bisect.bisect_left(prefix, prefix[hi] + self.extra[stage][resource] - bound, 0, hi)
+        while n > 0 and self.cost(resource, hi - n, hi, stage) > bound:
+            n -= 1
+        while n < hi and self.cost(resource, hi - n - 1, hi, stage) <= bound:
+            n += 1
+        return n
+
+    def fill(self, bounds: tuple[float, float]) -> tuple[int, ...] | None:
+        """The split that fills each stage from the last with as many layers as ``bounds`` (FLOPs, params) allow, or
+        None when no split keeps every stage within them (filling from the end leaves the least for the rest)."""
+        counts = [0] * self.pp
+        hi = len(self.prefix[0]) - 1
+        for stage in range(self.pp - 1, 0, -1):
+            n = min(hi - self.before[stage], self._most(0, hi, stage, bounds[0]), self._most(1, hi, stage, bounds[1]))
+            if n < self.least[stage]:
+                return None
+            counts[stage], hi = n, hi - n
+        if hi < self.least[0] or not self._fits(0, hi, 0, bounds):
+            return None
+        counts[0] = hi
+        return tuple(counts)
+
+    def _worst(self, split: tuple[int, ...]) -> float:
+        """The load of the busiest stage of ``split``, in average layers."""
+        edges = [0]
+        for n in split:
+            edges.append(edges[-1] + n)
+        return max(
+            self.cost(resource, edges[i], edges[i + 1], i) / unit for i in range(self.pp) for resource, unit in enumerate(self.unit) if unit > 0
+        )
+
+    def bounds(self, load: float) -> tuple[float, float]:
+        """The FLOPs and parameters a stage may carry at ``load`` average layers (no bound on a resource layers lack)."""
+        return tuple(load * unit if unit > 0 else float("inf") for unit in self.unit)  # type: ignore[return-value]
+
+    def least_load(self) -> float:
+        """The least load of the busiest stage over all splits, in average layers (bisection: each split found lowers the
+        upper end to its own busiest stage, so the result is a split's)."""
+        split = self.fill((float("inf"), float("inf")))
+        assert split is not None, "pp <= num_layers admits a split"
+        hi, lo = self._worst(split), 0.0
+        while hi - lo > hi * 1e-12:
+            mid = (lo + hi) / 2
+            trial = self.fill(self.bounds(mid))
+            if trial is None:
+                lo = mid
+            else:
+                hi = self._worst(trial)
+        return hi
+
+
+def _layer_slice(model: ModelSpec, split: tuple[int, ...], index: int) -> list[tuple[BlockSpec, int]]:
+    """Blocks on stage ``index`` with how many of each: the layers ``split`` gives it, pre blocks on the first stage and
+    post blocks on the last."""
+    lo = sum(split[:index])
+    hi = lo + split[index]
+    pp = len(split)
     out: list[tuple[BlockSpec, int]] = []
     seen = 0
     for block in model.blocks:
@@ -87,10 +262,11 @@ def _sum(pairs: list[tuple[BlockSpec, int]], attr: str, role: Role | None = None
     return sum(getattr(b, attr) * n for b, n in pairs if role is None or b.role is role)
 
 
-def _stage(model: ModelSpec, pp: int, index: int) -> StageLoad:
-    pairs = _layer_slice(model, pp, index)
+def _stage(model: ModelSpec, split: tuple[int, ...], index: int) -> StageLoad:
+    pp = len(split)
+    pairs = _layer_slice(model, split, index)
     layers = [b for b, _ in pairs if b.role is Role.LAYER]
-    biggest = max(layers, key=lambda b: b.act_bytes)
+    biggest = max(layers, key=lambda b: b.act_bytes) if layers else _NO_LAYER
     tied = model.tied_params if pp == 1 else 0
     return StageLoad(
         index=index,
@@ -103,6 +279,10 @@ def _stage(model: ModelSpec, pp: int, index: int) -> StageLoad:
         elementwise=_sum(pairs, "elementwise"),
         layer_elementwise=_sum(pairs, "elementwise", Role.LAYER),
         recompute_flops=_sum(pairs, "recompute_flops", Role.LAYER),
+        attention_flops=_sum(pairs, "attention_flops"),
+        attention_kernel_flops=_sum(pairs, "attention_kernel_flops"),
+        layer_attention_flops=_sum(pairs, "attention_flops", Role.LAYER),
+        layer_attention_kernel_flops=_sum(pairs, "attention_kernel_flops", Role.LAYER),
         act_replicated_bytes=_sum(pairs, "act_replicated_bytes"),
         act_sharded_bytes=_sum(pairs, "act_sharded_bytes"),
         act_attention_bytes=_sum(pairs, "act_attention_bytes"),
@@ -120,15 +300,21 @@ def _stage(model: ModelSpec, pp: int, index: int) -> StageLoad:
     )
 
 
+_NO_LAYER = BlockSpec(name="no layer", params=0, flops=0.0)
+"""What a stage without layers (an end stage holding only the embedding or the head) re-materialises: nothing."""
+
+
 @functools.lru_cache(maxsize=4096)
-def stage_loads(model: ModelSpec, pp: int) -> tuple[StageLoad, ...]:
-    """The stages that can be the worst device or the slowest stage, out of all ``pp``.
+def stage_loads(model: ModelSpec, pp: int, fixed: tuple[int, ...] | None = None) -> tuple[StageLoad, ...]:
+    """The stages that can be the worst device or the slowest stage, out of all ``pp``, their layers split as
+    :func:`stage_layers` says (``fixed``: the plan's ``stage_layers``).
 
     A stage is left out when an earlier one has at least each of its costs: the earlier stage holds
     at least as many micro-batches in flight, so it needs at least as much memory and time. A model
-    of identical layers keeps at most two: the first stage and the last.
+    of identical layers split evenly keeps at most two: the first stage and the last.
     """
-    loads = [_stage(model, pp, i) for i in range(pp)]
+    split = stage_layers(model, pp, fixed)
+    loads = [_stage(model, split, i) for i in range(pp)]
     return tuple(load for load in loads if not any(_dominates(other, load) for other in loads if other.index < load.index))
 
 
@@ -138,3 +324,12 @@ def _dominates(first: StageLoad, later: StageLoad) -> bool:
 
 
 _COST_FIELDS = [f.name for f in dataclasses.fields(StageLoad) if f.name != "index"]
+
+
+def with_stage_layers(model: ModelSpec, plan: Plan) -> Plan:
+    """``plan`` with its layer split written out when it is uneven (PlanError when a fixed split does not fit the model):
+    what a runtime executes then needs no model to know where the layers go."""
+    if plan.pp == 1:
+        return plan
+    split = stage_layers(model, plan.pp, plan.stage_layers)
+    return plan if plan.stage_layers == split or len(set(split)) == 1 else plan.replace(stage_layers=split)

@@ -2,9 +2,10 @@
 
 A step runs ``gas`` micro-batches through ``pp`` stages. Per micro-batch a stage computes
 forward, backward (2x forward, Narayanan 2021) and any recomputation, runs its tensor-parallel
-collectives (not overlapped, as in Megatron-LM) and its pipeline sends; the slowest stage sets
-the pace, the pipeline adds a bubble, data-parallel / ZeRO communication hides partly behind
-backward, and offload adds PCIe transfers and the CPU optimizer step.
+collectives and its pipeline sends; the slowest stage sets the pace, the pipeline adds a bubble,
+data-parallel / ZeRO communication follows, and offload adds PCIe transfers and the CPU optimizer step.
+Which communications hide behind compute is the runtime's (:class:`~lightning_fleet.planning.overlap.Overlaps`);
+what fraction of an overlapped one really hides is calibrated (``calibration.overlap``).
 
 Pure; imported by estimate.py.
 """
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from lightning_fleet.planning.cluster import Calibration, LinkSpec
 from lightning_fleet.planning.comm import allgather_s, allreduce_s, p2p_s, reduce_scatter_s
 from lightning_fleet.planning.model import Precision
+from lightning_fleet.planning.overlap import Overlaps
 from lightning_fleet.planning.plan import Offload, Recompute
 from lightning_fleet.planning.stages import StageLoad
 
@@ -32,24 +34,54 @@ def achieved_flops_per_s(peak_flops_per_s: float, dim: float, calibration: Calib
     return peak_flops_per_s * calibration.matmul_efficiency * dim / (dim + calibration.matmul_half_dim)
 
 
-def forward_s(load: StageLoad, *, mbs: int, tp: int, flops_per_s: float, elementwise_s: float = 0.0) -> float:
-    """Forward compute of one micro-batch on one device of the stage: its matmul FLOPs at the achieved rate and its
+FUSED_ATTENTION_BACKWARD = 2.5
+"""A fused attention kernel's backward over its forward: five matmuls (QK^T recomputed, dV, dP, dQ, dK) against two
+(FlashAttention, Dao 2022, Sec. 3.1: the scores are recomputed in the backward pass; the FlashAttention repository counts
+backward FLOPs as ``2.5 * f``, benchmarks/benchmark_flash_attention.py)."""
+
+
+def fused_attention_s(kernel_flops: float, *, mbs: int, tp: int, flops_per_s: float, efficiency: float) -> float:
+    """Forward seconds of the fused attention kernels of one micro-batch on one device: the FLOPs they execute
+    (:attr:`StageLoad.attention_kernel_flops`, split by tp with the heads) at ``efficiency`` times the GEMMs' achieved rate
+    (``calibration.attention_efficiency``)."""
+    return kernel_flops * mbs / tp / (flops_per_s * efficiency)
+
+
+def forward_s(
+    load: StageLoad, *, mbs: int, tp: int, flops_per_s: float, elementwise_s: float = 0.0, attention_efficiency: float = 1.0
+) -> float:
+    """Forward compute of one micro-batch on one device of the stage: its matmul FLOPs at the achieved rate, but the fused
+    attention kernels' share at their own (the FLOPs they execute at ``attention_efficiency`` times that rate), and its
     memory-bound operators' output elements at ``elementwise_s`` seconds each."""
-    return (load.flops / flops_per_s + load.elementwise * elementwise_s) * mbs / tp
+    attention_s = load.attention_kernel_flops / (flops_per_s * attention_efficiency)
+    matmul_s = (load.flops - load.attention_flops) / flops_per_s + attention_s
+    return (matmul_s + load.elementwise * elementwise_s) * mbs / tp
 
 
-def backward_s(forward_time_s: float) -> float:
-    """Backward is twice the forward: input and weight gradients (Narayanan 2021, Sec. 5.1)."""
-    return 2.0 * forward_time_s
+def backward_s(forward_time_s: float, attention_s: float = 0.0) -> float:
+    """Backward is twice the forward: input and weight gradients (Narayanan 2021, Sec. 5.1); a fused attention kernel's
+    part of it (``attention_s``, :func:`fused_attention_s`) FUSED_ATTENTION_BACKWARD times its forward."""
+    return 2.0 * forward_time_s + (FUSED_ATTENTION_BACKWARD - 2.0) * attention_s
 
 
-def recompute_s(load: StageLoad, *, mbs: int, tp: int, recompute: Recompute, flops_per_s: float, elementwise_s: float = 0.0) -> float:
+def recompute_s(
+    load: StageLoad,
+    *,
+    mbs: int,
+    tp: int,
+    recompute: Recompute,
+    flops_per_s: float,
+    elementwise_s: float = 0.0,
+    attention_efficiency: float = 1.0,
+) -> float:
     """Recomputation is hardware FLOPs (Narayanan 2021): full redoes the layers' forward (its memory-bound operators
-    too), selective the attention core (Korthikanti 2022)."""
+    too, its fused attention at the kernel's rate, as :func:`forward_s`), selective the attention core (Korthikanti 2022)."""
     if recompute is Recompute.NONE:
         return 0.0
     if recompute is Recompute.FULL:
-        return (load.layer_flops / flops_per_s + load.layer_elementwise * elementwise_s) * mbs / tp
+        attention_s = load.layer_attention_kernel_flops / (flops_per_s * attention_efficiency)
+        matmul_s = (load.layer_flops - load.layer_attention_flops) / flops_per_s + attention_s
+        return (matmul_s + load.layer_elementwise * elementwise_s) * mbs / tp
     return load.recompute_flops * mbs / tp / flops_per_s
 
 
@@ -65,12 +97,39 @@ def tp_comm_s(load: StageLoad, *, mbs: int, tp: int, recompute: Recompute, link:
     return messages * allreduce_s(nbytes * mbs / messages, tp, link)
 
 
-def pp_comm_s(load: StageLoad, *, mbs: int, tp: int, sp: bool, pp: int, vpp: int, link: LinkSpec) -> float:
-    """Pipeline sends of one micro-batch: activation forward, gradient backward, per virtual stage; sp sends a 1/tp slice."""
+def pp_comm_s(
+    load: StageLoad, *, mbs: int, tp: int, sp: bool, pp: int, vpp: int, link: LinkSpec, split_over_tp: bool = False
+) -> float:
+    """Pipeline sends of one micro-batch: activation forward, gradient backward, per virtual stage; sp sends a 1/tp slice,
+    and so does ``split_over_tp`` (Megatron-LM's scatter-gather, Narayanan 2021 Sec. 4.1: :func:`pp_split_gather_s`)."""
     if pp == 1:
         return 0.0
-    nbytes = load.boundary_bytes * mbs / (tp if sp else 1)
+    nbytes = load.boundary_bytes * mbs / (tp if sp or split_over_tp else 1)
     return 2 * vpp * p2p_s(nbytes, link)
+
+
+def pp_split_gather_s(load: StageLoad, *, mbs: int, tp: int, pp: int, vpp: int, link: LinkSpec) -> float:
+    """The receivers' all-gathers over tp of the 1/tp slices :func:`pp_comm_s` sends with ``split_over_tp``: one per
+    send, the whole boundary tensor (Narayanan 2021 Sec. 4.1; Megatron-LM's ``gather_split_1d_tensor`` after the
+    receive, megatron/p2p_communication.py before the move to megatron/core, March 2023)."""
+    if pp == 1:
+        return 0.0
+    return 2 * vpp * allgather_s(load.boundary_bytes * mbs, tp, link)
+
+
+def pp_exposed_s(sends_s: float, gathers_s: float, compute_s: float, overlap: float) -> float:
+    """Pipeline communication of one micro-batch left on the critical path: the sends hide behind the micro-batch's
+    compute up to ``overlap`` (Megatron-LM's ``overlap_p2p_comm`` in its interleaved schedule; 0 when not overlapped),
+    the all-gathers of split sends do not (``gather_split_1d_tensor`` waits for them)."""
+    sends = exposed_s(sends_s, compute_s, overlap) if overlap else sends_s
+    return sends + gathers_s if gathers_s else sends
+
+
+def tp_exposed_s(comm_s: float, compute_s: float, overlap: float) -> float:
+    """Tensor-parallel communication of one micro-batch left on the critical path: it hides behind the micro-batch's
+    GEMMs (its compute) up to ``overlap`` (Megatron-LM's ``--tp-comm-overlap``: "overlapping of Linear layer execution
+    with tensor parallel communication collectives like AllGather/ReduceScatter", model_parallel_config.py; 0 when not)."""
+    return exposed_s(comm_s, compute_s, overlap) if overlap else comm_s
 
 
 def bubble_s(microbatch_s: float, *, pp: int, vpp: int) -> float:
@@ -110,6 +169,19 @@ def exposed_s(comm_s: float, window_s: float, overlap: float) -> float:
     return comm_s - overlap * min(comm_s, window_s)
 
 
+def hidden_fraction(overlapped: bool, overlap: float) -> float:
+    """The fraction of a communication that hides behind compute: the calibrated ``overlap`` when the runtime runs it
+    beside compute (:class:`Overlaps`), else 0 (:func:`exposed_s` then leaves all of it exposed, exactly)."""
+    return overlap if overlapped else 0.0
+
+
+def shared_window_exposed_s(total_s: float, hideable_s: float, window_s: float, overlap: float) -> float:
+    """Of ``total_s`` of communication on one link, ``hideable_s`` runs beside ``window_s`` of compute and hides up to
+    ``overlap`` of it; the rest is exposed. With everything hideable this is :func:`exposed_s` (ZeRO-3's backward:
+    the weight gathers and the gradient reduce-scatters share the link and the backward)."""
+    return total_s - overlap * min(hideable_s, window_s)
+
+
 def dp_comm_s(
     n: float,
     *,
@@ -123,32 +195,48 @@ def dp_comm_s(
     backward_time_s: float,
     overlap: float,
     trainable: float | None = None,
+    overlaps: Overlaps = Overlaps.DEFAULT,
+    pp: int = 1,
 ) -> float:
     """Exposed data-parallel communication per step of a stage holding ``n`` parameters, ``trainable`` of them with
-    gradients (default all) (ZeRO paper Sec. 7; DeepSpeed's overlap_comm).
+    gradients (default all), in a ``pp``-stage pipeline (ZeRO paper Sec. 7; DeepSpeed's overlap_comm).
 
-    zero 0: one gradient all-reduce at the accumulation boundary, hidden behind the last backward.
-    zero 1: reduce-scatter there, all-gather of the updated weights after the step (not hidden).
+    zero 0: one gradient all-reduce at the accumulation boundary, behind the last backward.
+    zero 1: reduce-scatter there, all-gather of the updated weights after the step, behind the next step's first forward.
     zero 2: a reduce-scatter every micro-batch (each behind its backward) and the weight all-gather.
     zero 3: every micro-batch gathers the weights for forward and again for backward, and reduce-scatters gradients.
+    "Behind" hides up to ``overlap`` of it where ``overlaps`` says the runtime runs it beside compute
+    (:meth:`Overlaps.hides_grad_reduce`, :meth:`Overlaps.hides_param_gather`); the rest is exposed.
     Gradients and updated weights are the trainable parameters' (DeepSpeed 0.19's ZeRO-1/2 optimizer flattens only the
     parameters that require grad, ``is_optimized_parameter`` in stage_1_and_2.py); ZeRO-3 gathers every parameter.
     """
     if dp == 1:
         return 0.0
+    grads = hidden_fraction(overlaps.hides_grad_reduce(zero, pp), overlap)
+    gathers = hidden_fraction(overlaps.hides_param_gather(zero, pp), overlap)
     nbytes = precision.element_bytes * (n if trainable is None else trainable) / tp
     if zero == 0:
-        return exposed_s(allreduce_s(nbytes, dp, link), backward_time_s, overlap)
+        return exposed_s(allreduce_s(nbytes, dp, link), backward_time_s, grads)
     gather = allgather_s(nbytes, dp, link)
     scatter = reduce_scatter_s(nbytes, dp, link)
-    if zero == 1:
-        return exposed_s(scatter, backward_time_s, overlap) + gather
-    if zero == 2:
-        return gas * exposed_s(scatter, backward_time_s, overlap) + gather
+    if zero in (1, 2):
+        updated = exposed_s(gather, forward_time_s, gathers) if gathers else gather
+        return (gas if zero == 2 else 1) * exposed_s(scatter, backward_time_s, grads) + updated
     gather = gather if trainable is None else allgather_s(precision.element_bytes * n / tp, dp, link)
-    # backward's gather and the gradient scatter share the link, so they hide behind backward together
-    per_microbatch = exposed_s(gather, forward_time_s, overlap) + exposed_s(gather + scatter, backward_time_s, overlap)
-    return gas * per_microbatch
+    return gas * zero3_microbatch_s(gather, scatter, forward_time_s, backward_time_s, gathers=gathers, grads=grads)
+
+
+def zero3_microbatch_s(gather_s: float, scatter_s: float, forward_time_s: float, backward_time_s: float, *, gathers: float,
+                       grads: float) -> float:
+    """ZeRO-3's exposed communication of one micro-batch: the weight gather before forward hides behind the forward
+    (a fraction ``gathers``: DeepSpeed's prefetch, partitioned_param_coordinator.py); backward's gather and the gradient
+    reduce-scatter share the link and hide behind the backward together, each as far as it is overlapped (``gathers``,
+    ``grads``: the calibrated overlap or 0, :func:`hidden_fraction`)."""
+    forward = exposed_s(gather_s, forward_time_s, gathers)
+    if gathers == grads:
+        return forward + exposed_s(gather_s + scatter_s, backward_time_s, gathers)
+    hideable = gather_s if gathers else scatter_s
+    return forward + shared_window_exposed_s(gather_s + scatter_s, hideable, backward_time_s, max(gathers, grads))
 
 
 def offload_s(
@@ -184,9 +272,9 @@ class TimeEstimate:
     compute_s: float
     """Forward, backward and recomputation of the slowest stage, all micro-batches."""
     tp_comm_s: float
-    """Tensor-parallel collectives of the slowest stage."""
+    """Tensor-parallel collectives of the slowest stage, less what hides behind its compute."""
     pp_comm_s: float
-    """Pipeline sends and receives of the slowest stage."""
+    """Pipeline sends and receives of the slowest stage, less what hides behind its compute."""
     dp_comm_s: float
     """Data-parallel / ZeRO communication not hidden behind compute."""
     bubble_s: float
