@@ -245,7 +245,7 @@ def predict_all(worlds: list[int], clusters: dict[int, Path], device: str) -> tu
         for world in worlds:
             cluster = load_cluster(str(clusters[world]))
             for text in executable_plans(world, num_layers=shape["num_layers"], num_heads=shape["num_heads"], global_batch=GLOBAL_BATCH):
-                e = estimate(spec, cluster, parse_plan(text, global_batch_size=GLOBAL_BATCH))
+                e = estimate(spec, cluster, parse_plan(text, global_batch_size=GLOBAL_BATCH), overlaps=DEEPSPEED.overlaps)
                 memory = e.memory.total_bytes + e.memory.host_bytes if device == "cpu" else e.memory.total_bytes - reserve_bytes(
                     e.memory.limit_bytes, cluster.calibration)
                 predictions.append(Predicted(size, world, str(e.plan), e.time.step_s, memory, e.memory.fits))

@@ -37,6 +37,7 @@ from lightning_fleet.planning import (
     plan,
 )
 from lightning_fleet.planning.cluster import GIB
+from lightning_fleet.planning.overlap import OVERLAP_NAMES, Overlaps
 from lightning_fleet.planning.search import explain_misfit
 from lightning_fleet.runtime import RUNTIMES, capabilities_of
 from lightning_fleet.runtime.base import Capabilities, ModuleHooks
@@ -75,6 +76,14 @@ def _add_specs(parser: argparse.ArgumentParser) -> None:
         "only what strategy='fleet' runs on DeepSpeed (no sp, no vpp, no selective recomputation, zero <= 1 and no tp "
         "or offload with pp, the default placement), for --model assuming the module provides fleet_tensor_parallel() "
         "and fleet_pipeline(), for --module with the hooks it has",
+    )
+    parser.add_argument(
+        "--overlaps",
+        metavar="NAMES",
+        help="the communications the runtime hides behind compute, comma-separated ("
+        + ", ".join(OVERLAP_NAMES) + "), or 'none', 'all', 'default' (the cost model's assumption: every gradient "
+        "reduction and ZeRO-3's gathers); default: the --runtime's own ('any': 'default'; 'deepspeed': what DeepSpeed "
+        "0.19.8 overlaps). Every plan is priced with the same",
     )
     own = parser.add_argument_group(
         "your own module, instead of --model",
@@ -198,9 +207,21 @@ def _constraints(args: argparse.Namespace, runtime: Capabilities, hooks: ModuleH
             raise FleetError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     base = runtime.constraints(hooks, allow_offload=not args.no_offload, max_tp=args.max_tp, max_pp=args.max_pp, zero_stages=zero)
     vpp_limits = [limit for limit in (base.max_vpp, args.max_vpp) if limit is not None]
-    base = dataclasses.replace(base, max_vpp=min(vpp_limits, default=None), allow_sp=base.allow_sp and not args.no_sp)
+    base = dataclasses.replace(base, max_vpp=min(vpp_limits, default=None), allow_sp=base.allow_sp and not args.no_sp,
+                               overlaps=_overlaps(args, runtime))
     _refuse_unrunnable(runtime, fixed, hooks)
     return narrow(base, fixed)
+
+
+def _overlaps(args: argparse.Namespace, runtime: Capabilities) -> Overlaps:
+    """--overlaps as a value: the runtime's own when not given."""
+    if args.overlaps is None:
+        return runtime.overlaps
+    text = args.overlaps.strip()
+    named = {"none": Overlaps.NONE, "all": Overlaps.ALL, "default": Overlaps.DEFAULT}
+    if text in named:
+        return named[text]
+    return Overlaps.of([name.strip() for name in text.split(",") if name.strip()])
 
 
 def _refuse_unrunnable(runtime: Capabilities, plan: Plan | PartialPlan, hooks: ModuleHooks) -> None:
@@ -337,7 +358,7 @@ def _run(argv: Sequence[str] | None) -> int:
     if args.command == "estimate":
         chosen = parse_plan(args.plan, global_batch_size=model.global_batch_size)
         _refuse_unrunnable(runtime, chosen, job.hooks)
-        result = estimate(model, cluster, chosen)
+        result = estimate(model, cluster, chosen, overlaps=_overlaps(args, runtime))
         _report(job, args, notes=())
         if args.json:
             print(json.dumps(_with_module(result.to_dict(), job)))

@@ -166,7 +166,8 @@ def decide(
         capabilities.check(partial, constraints, module.hooks)
         constraints = narrow(constraints, partial)
         if partial.complete:  # everything fixed: train it as given (priced, not searched)
-            chosen, result = estimate(module.spec, cluster, partial.to_plan(module.spec.global_batch_size)), None
+            fixed = partial.to_plan(module.spec.global_batch_size)
+            chosen, result = estimate(module.spec, cluster, fixed, overlaps=capabilities.overlaps), None
         else:
             result = search_plans(module.spec, cluster, top=options.top, constraints=constraints)
             chosen = result.best
@@ -224,7 +225,7 @@ def _continued(
             f"checkpoint {resume.path} was trained with plan {resumed}, which this job may not run ({err}): allow it "
             "(FleetStrategy's zero_stages, offload, max_tp/max_pp, the module's hooks) or start in another checkpoint_dir"
         ) from None
-    return estimate(module.spec, cluster, resumed)
+    return estimate(module.spec, cluster, resumed, overlaps=capabilities.overlaps)
 
 
 def fixed_axes(module: ModuleFacts, options: JobOptions) -> tuple[PartialPlan, list[str]]:

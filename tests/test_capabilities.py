@@ -14,7 +14,7 @@ import json
 import pytest
 
 from lightning_fleet.cli import main
-from lightning_fleet.planning import Constraints, FleetError, Plan, Recompute, parse_partial_plan
+from lightning_fleet.planning import Constraints, FleetError, Overlaps, Plan, Recompute, parse_partial_plan
 from lightning_fleet.runtime import RUNTIMES, capabilities_of
 from lightning_fleet.runtime.base import ANY, ModuleHooks
 from lightning_fleet.runtime.deepspeed.capabilities import DEEPSPEED
@@ -33,6 +33,7 @@ def deepspeed_constraints(**varying: object) -> Constraints:
     placement; ``varying`` the fields that depend on the module's hooks and the job's options."""
     return Constraints(
         allow_sp=False, max_vpp=1, max_zero_with_pp=1, search_placement=False, tp_with_pp=False, offload_with_pp=False,
+        overlaps=Overlaps(dp_grad_reduce=(1, 2, 3), dp_param_gather=(3,), dp_exposed_in_pipeline=True),
         **varying,  # type: ignore[arg-type]
     )
 

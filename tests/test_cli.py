@@ -127,9 +127,9 @@ def test_bad_input_exits_2_with_one_line(capsys, argv, message):
 @pytest.mark.pure
 def test_estimate_names_every_factor_of_an_impossible_plan(capsys):
     """A plan that is wrong in several ways names each factor."""
-    code, _, err = run_cli(capsys, "estimate", "--model", "gpt-tiny", "--cluster", "dgx-a100-80gb", "--plan", "dp=1,tp=3,pp=3,gas=4")
+    code, _, err = run_cli(capsys, "estimate", "--model", "gpt-tiny", "--cluster", "dgx-a100-80gb", "--plan", "dp=1,tp=3,pp=3,vpp=2,gas=4")
     assert code == 2
-    for part in ("dp(1) * tp(3) * pp(3) = 9 != world size 8", "tp(3) does not divide num_heads(4)", "pp(3) * vpp(1) = 3 does not divide num_layers(4)", "dp(1) * mbs(1) * gas(4) = 4 != global batch size 16"):
+    for part in ("dp(1) * tp(3) * pp(3) = 9 != world size 8", "tp(3) does not divide num_heads(4)", "pp(3) * vpp(2) = 6 does not divide num_layers(4)", "dp(1) * mbs(1) * gas(4) = 4 != global batch size 16"):
         assert part in err
 
 

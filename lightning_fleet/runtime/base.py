@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Protocol
 
-from lightning_fleet.planning import Constraints, FleetError, Offload, PartialPlan, Plan, Recompute
+from lightning_fleet.planning import Constraints, FleetError, Offload, Overlaps, PartialPlan, Plan, Recompute
 from lightning_fleet.planning.plan import DEFAULT_ORDER, field_text
 
 if TYPE_CHECKING:
@@ -73,6 +73,8 @@ class Capabilities:
     """Runs Megatron-style sequence parallelism (sp=true)."""
     interleaved_pipeline: bool
     """Runs interleaved pipeline schedules (vpp > 1)."""
+    uneven_stages: bool
+    """Runs pipeline stages holding different numbers of layers (``Plan.stage_layers``; pp need not divide the layers)."""
     max_zero_with_pp: int
     """Highest ZeRO stage it runs together with pp > 1."""
     tp_with_pp: bool
@@ -95,6 +97,9 @@ class Capabilities:
     """ZeRO stages a checkpoint written at another world size can be resharded into."""
     reshard_data_parallel_only: bool
     """Only data-parallel plans (tp=1, pp=1) are resharded into (their per-rank layouts have a verified conversion)."""
+    overlaps: Overlaps
+    """Which communications it runs beside compute: the search prices every candidate with them, and ``fleet estimate``
+    a fixed plan."""
 
     def constraints(
         self,
@@ -111,6 +116,7 @@ class Capabilities:
         return Constraints(
             allow_sp=self.sequence_parallel,
             max_vpp=None if self.interleaved_pipeline else 1,
+            uneven_stages=self.uneven_stages,
             max_zero_with_pp=self.max_zero_with_pp,
             search_placement=self.any_placement,
             tp_with_pp=self.tp_with_pp,
@@ -121,6 +127,7 @@ class Capabilities:
             max_tp=(max_tp or None) if self._runs_tp(hooks) else 1,
             max_pp=(max_pp or None) if self._runs_pp(hooks) else 1,
             zero_stages=zero_stages,
+            overlaps=self.overlaps,
         )
 
     def reshard_constraints(
@@ -156,6 +163,8 @@ class Capabilities:
             return f"plan {plan}: {self.label}'s pipeline engine runs {self._pipeline_limits()}"
         if plan.sp and not self.sequence_parallel or (plan.vpp or 1) > 1 and not self.interleaved_pipeline:
             return f"plan {plan}: {self.label} runs {self._missing_schedules()}"
+        if plan.stage_layers is not None and len(set(plan.stage_layers)) > 1 and not self.uneven_stages:
+            return f"plan {plan}: {self.label} splits the layers of a pipeline evenly only; leave stage_layers out"
         if plan.recompute is Recompute.SELECTIVE and not self.selective_recompute:
             return f"plan {plan}: selective recomputation needs attention internals; use recompute=full or none"
         if plan.recompute is Recompute.FULL and Recompute.FULL not in self._recompute_modes(hooks):
@@ -224,6 +233,7 @@ ANY = Capabilities(
     label="any runtime",
     sequence_parallel=True,
     interleaved_pipeline=True,
+    uneven_stages=True,
     max_zero_with_pp=3,
     tp_with_pp=True,
     offload_with_pp=True,
@@ -235,6 +245,8 @@ ANY = Capabilities(
     pp_needs_automatic_optimization=False,
     reshard_zero_stages=(0, 1, 2, 3),
     reshard_data_parallel_only=False,
+    # the cost model's long-standing assumption: gradient reductions and ZeRO-3's gathers hide, nothing else
+    overlaps=Overlaps.DEFAULT,
 )
 """The cost model's whole space: every plan it can price, as if some runtime executed each (``fleet plan``'s default,
 for comparing layouts before choosing a runtime)."""

@@ -1,13 +1,41 @@
 """What DeepSpeed 0.19.8 executes, as one :class:`~lightning_fleet.runtime.base.Capabilities` value: ``DEEPSPEED``.
 
-Pure: imports only :mod:`lightning_fleet.runtime.base` (no torch, no deepspeed); read by the strategy, the
-decision, ``fleet plan --runtime deepspeed`` and the benchmarks. Each limit below says where it comes from
-(measured on CPU/gloo: ../shared/ENVIRONMENT.md and docs/MEASURED.md; or read in DeepSpeed's source).
+Pure: imports only :mod:`lightning_fleet.runtime.base` and the planning core's :class:`Overlaps` (no torch, no
+deepspeed); read by the strategy, the decision, ``fleet plan --runtime deepspeed`` and the benchmarks. Each limit below
+says where it comes from (measured on CPU/gloo: ../shared/ENVIRONMENT.md and docs/MEASURED.md; or read in DeepSpeed's
+source, paths under deepspeed/ of 0.19.8).
 """
 
 from __future__ import annotations
 
+from lightning_fleet.planning.overlap import Overlaps
 from lightning_fleet.runtime.base import Capabilities
+
+DEEPSPEED_OVERLAPS = Overlaps(
+    # ZeRO-0: the engine all-reduces every gradient after loss.backward() returns (runtime/engine.py _backward_epilogue ->
+    # allreduce_gradients -> buffered_allreduce_fallback): nothing to hide behind. ZeRO-1/2: with overlap_comm (our
+    # config sets it on CUDA, runtime/deepspeed/backend.py) backward hooks reduce full buckets on a separate stream
+    # (runtime/zero/stage_1_and_2.py reduce_ready_partitions_and_remove_grads, reduction_stream), ZeRO-1 in the last
+    # micro-batch's backward; ZeRO-3 likewise (runtime/zero/stage3.py reduce_and_partition_stream).
+    dp_grad_reduce=(1, 2, 3),
+    # ZeRO-1/2 gather the updated weights inside step(), before it returns (stage_1_and_2.py step ->
+    # all_gather_dp_groups): exposed. ZeRO-3 prefetches the next layers' weights on its own stream
+    # (runtime/zero/partitioned_param_coordinator.py fetch_sub_module, __allgather_stream from parameter_offload.py).
+    dp_param_gather=(3,),
+    # "Pipeline parallelism does not support overlapped communication, will be disabled." (runtime/engine.py
+    # _configure_zero_optimizer); the pipeline schedule reduces after its last backward (runtime/pipe/schedule.py
+    # TrainSchedule: ReduceGrads before OptimizerStep)
+    dp_exposed_in_pipeline=True,
+    # AutoTP's row-parallel all-reduce runs inline in forward (module_inject/layers.py RowParallel.forward); its
+    # tp_overlap_comm (runtime/tensor_parallel/config.py, default False) is not set by our config, and no sp anyway
+    tp_comm=False,
+    # p2p.send/recv assert async_op == False (runtime/pipe/p2p.py), and no interleaved schedule
+    pp_p2p=False,
+    # no tensor parallelism inside DeepSpeed's pipeline here (tp_with_pp below), so nothing to split
+    pp_p2p_split_over_tp=False,
+)
+"""What DeepSpeed 0.19.8 runs beside compute under strategy "fleet" (on CUDA; on CPU/gloo nothing overlaps and the
+calibrated ``overlap`` is 0, calibrate/measure.py)."""
 
 DEEPSPEED = Capabilities(
     name="deepspeed",
@@ -16,6 +44,9 @@ DEEPSPEED = Capabilities(
     sequence_parallel=False,
     # PipelineEngine.train_batch runs schedule.TrainSchedule, 1F1B over one stage per rank (deepspeed/runtime/pipe/engine.py)
     interleaved_pipeline=False,
+    # PipelineModule's partition_method only balances by count, parameters or layer type; runtime/deepspeed/pipeline.py
+    # gives it the plan's split instead (FleetPipelineModule overrides _partition_layers, deepspeed/runtime/pipe/module.py)
+    uneven_stages=True,
     # "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism" (deepspeed/runtime/pipe/engine.py, measured)
     max_zero_with_pp=1,
     # the pipeline module is built with a pipe x data topology only (runtime/deepspeed/pipeline.py): no AutoTP in it
@@ -43,5 +74,6 @@ DEEPSPEED = Capabilities(
     reshard_zero_stages=(1, 2, 3),
     # tensor- and pipeline-parallel per-rank layouts have no verified conversion: data-parallel plans only
     reshard_data_parallel_only=True,
+    overlaps=DEEPSPEED_OVERLAPS,
 )
 """Stock DeepSpeed 0.19.8 under strategy "fleet": ZeRO 0-3, optimizer/parameter offload, AutoTP, its pipeline engine."""

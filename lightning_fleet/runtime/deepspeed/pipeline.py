@@ -2,9 +2,10 @@
 
 The hook (:func:`lightning_fleet.hooks.pipeline_hook`) gives the forward pass as a sequence of layers (each takes the
 previous one's output) and the loss; a training batch is ``(inputs, labels)``. The layers share the LightningModule's
-weights; DeepSpeed keeps on each stage only its own, balancing the layers of the layer stack's class across stages
-and putting what comes before them on the first stage and what comes after on the last. The stages and replicas sit
-on the ranks where the plan's ``order`` puts them (:func:`pipeline_topology`).
+weights; DeepSpeed keeps on each stage only its own: the layers of the layer stack's class as the plan splits them
+(``Plan.stage_layers``, evenly without it: :func:`stage_parts`), what comes before them on the first stage and what
+comes after on the last. The stages and replicas sit on the ranks where the plan's ``order`` puts them
+(:func:`pipeline_topology`).
 
 Imports torch and deepspeed (deepspeed lazily, at call time); imported by the DeepSpeed backend and the strategy.
 """
@@ -39,18 +40,62 @@ def pipeline_topology(plan: Plan) -> Any:
     return ProcessTopology(axes=[_TOPOLOGY_AXES[axis] for axis in axes], dims=[getattr(plan, axis) for axis in axes])
 
 
-def build_pipeline(module: nn.Module, plan: Plan, *, layer_type: str) -> nn.Module:
-    """A DeepSpeed PipelineModule over the hook's layers, placed as ``plan`` says (:func:`pipeline_topology`); with
-    ``recompute=full`` each layer of type ``layer_type`` is recomputed in backward."""
+def stage_parts(layers: list[Any], plan: Plan, layer_type: str) -> list[int]:
+    """Where each stage's slice of ``layers`` starts, and the end (DeepSpeed's ``PipelineModule.parts``): the layers of
+    class ``layer_type`` split as ``plan.stage_layers`` says (evenly without it), what comes before the first of them on
+    the first stage and what comes after the last on the last. FleetError when the plan's split does not fit them."""
+    stack = [i for i, layer in enumerate(layers) if type(layer).__name__ == layer_type]
+    if not stack or stack != list(range(stack[0], stack[-1] + 1)):
+        raise FleetError(f"fleet_pipeline(): the layers of class {layer_type} must follow each other (found at {stack})")
+    split = plan.stage_layers
+    if split is None:
+        if len(stack) % plan.pp:
+            raise FleetError(
+                f"plan {plan}: {len(stack)} layers of class {layer_type} do not split evenly over pp={plan.pp}: give the "
+                "plan's stage_layers (the planner writes them for an uneven split)"
+            )
+        split = (len(stack) // plan.pp,) * plan.pp
+    if sum(split) != len(stack):
+        raise FleetError(f"plan {plan}: stage_layers adds up to {sum(split)} layers, but fleet_pipeline() has {len(stack)} of class {layer_type}")
+    parts = [0]
+    for count in split[:-1]:
+        parts.append((stack[0] if len(parts) == 1 else parts[-1]) + count)
+    return parts + [len(layers)]
+
+
+def _pipeline_module_class() -> type:
+    """DeepSpeed's PipelineModule with the partition given, not computed: DeepSpeed's partition methods balance by
+    count, parameters or layer type only (deepspeed/runtime/pipe/module.py ``_partition_layers``), not by the planner's
+    cost, so this subclass overrides that one method with the plan's boundaries (:func:`stage_parts`)."""
     from deepspeed.pipe import PipelineModule
 
+    class FleetPipelineModule(PipelineModule):
+        """A PipelineModule whose stages hold the layers ``parts`` gives them (``parts`` keyword, set before DeepSpeed
+        partitions in ``__init__``)."""
+
+        def __init__(self, *args: Any, parts: list[int], **kwargs: Any) -> None:
+            self._fleet_parts = list(parts)
+            super().__init__(*args, **kwargs)
+
+        def _partition_layers(self, method: str = "uniform") -> None:
+            self.parts = list(self._fleet_parts)
+            self._set_bounds(start=self.parts[self.stage_id], stop=self.parts[self.stage_id + 1])
+
+    return FleetPipelineModule
+
+
+def build_pipeline(module: nn.Module, plan: Plan, *, layer_type: str) -> nn.Module:
+    """A DeepSpeed PipelineModule over the hook's layers, placed as ``plan`` says (:func:`pipeline_topology`) and split
+    as it says (:func:`stage_parts`); with ``recompute=full`` each layer of type ``layer_type`` is recomputed in backward."""
     spec = pipeline_hook(module)
     assert spec is not None
-    return PipelineModule(
-        layers=spec["layers"],
+    layers = list(spec["layers"])
+    return _pipeline_module_class()(
+        layers=layers,
+        parts=stage_parts(layers, plan, layer_type),
         loss_fn=spec["loss_fn"],
         topology=pipeline_topology(plan),
-        partition_method=f"type:^{layer_type}$",
+        partition_method="uniform",  # unused: FleetPipelineModule partitions by the plan
         activation_checkpoint_interval=1 if plan.recompute is Recompute.FULL else 0,
         # full recomputation of the layers only (as the cost model prices it); non-reentrant, so a
         # first layer fed integer token ids still gets gradients for its weights
