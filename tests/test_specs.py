@@ -73,7 +73,7 @@ def test_cluster_presets_round_trip(name):
 def test_required_presets_exist():
     """Presets for common machines and the CPU box ship with the package."""
     names = set(cluster_presets())
-    assert {"dgx-a100-40gb", "dgx-a100-80gb", "dgx-h100", "hgx-h200", "dgx1-v100", "cpu"} <= names
+    assert {"dgx-a100-40gb", "dgx-a100-80gb", "dgx-h100", "hgx-h200", "dgx1-v100", "cpu", "grand-teton-h100-96gb", "jean-zay-a100-80gb"} <= names
     assert {"gpt3-175b", "megatron-1t", "gpt-tiny"} <= set(model_presets())
 
 
