@@ -207,6 +207,11 @@ def _layout_text(layout: dict[str, Any]) -> str:
     return text
 
 
+def _layout_substituted(run: Run) -> bool:
+    """The run's layout is priced with a knob other than the published one (outside the plan vocabulary)."""
+    return any(s.startswith("layout.") for s in run.substituted)
+
+
 def report(data: dict[str, Any], priced: list[Priced]) -> tuple[str, dict[str, Any]]:
     """The markdown report and its summary figures."""
     ok = [p for p in priced if p.estimate is not None]
@@ -214,8 +219,9 @@ def report(data: dict[str, Any], priced: list[Priced]) -> tuple[str, dict[str, A
     misfits = [p for p in ok if not p.estimate.fits]
     published_memory = [p for p in ok if p.run.memory_gib is not None]
     # a layout priced as another one (torchtitan's op-level recomputation as full) holds other activations
-    memory = [p for p in published_memory if not any(s.startswith("layout.") for s in p.run.substituted)]
+    memory = [p for p in published_memory if not _layout_substituted(p.run)]
     memory_errors = [abs(p.predicted_memory_gib / p.run.memory_gib - 1) for p in memory]
+    exact = [abs(p.error) for p in ok if not _layout_substituted(p.run)]
     summary = {
         "runs": len(priced),
         "priced": len(ok),
@@ -223,6 +229,9 @@ def report(data: dict[str, Any], priced: list[Priced]) -> tuple[str, dict[str, A
         "median": statistics.median(errors) if errors else float("nan"),
         "worst": max(errors) if errors else float("nan"),
         "misfits": [p.run.id for p in misfits],
+        "exact_runs": len(exact),
+        "exact_median": statistics.median(exact) if exact else float("nan"),
+        "exact_worst": max(exact) if exact else float("nan"),
         "memory_median": statistics.median(memory_errors) if memory_errors else float("nan"),
     }
     lines = [
@@ -240,6 +249,10 @@ def report(data: dict[str, Any], priced: list[Priced]) -> tuple[str, dict[str, A
         f"- Step time |error|: median **{summary['median']:.1%}** (goal <= {GOAL_MEDIAN:.0%}: "
         f"{'met' if summary['median'] <= GOAL_MEDIAN else 'missed'}), worst **{summary['worst']:.1%}** "
         f"(goal <= {GOAL_WORST:.0%}: {'met' if summary['worst'] <= GOAL_WORST else 'missed'}).",
+        f"- The same over the {summary['exact_runs']} runs whose layout is priced exactly as published (leaving out "
+        f"{', '.join(p.run.id for p in ok if _layout_substituted(p.run)) or 'none'}, whose recomputation has no plan value and "
+        f"is priced as full recomputation, more work than they did): median {summary['exact_median']:.1%}, worst "
+        f"{summary['exact_worst']:.1%}.",
         f"- Published layouts that trained but are predicted not to fit: **{len(misfits)}**"
         + (f" ({', '.join(summary['misfits'])})" if misfits else "") + " (goal 0).",
         f"- Memory where published and the layout is priced as published ({len(memory)} of {len(published_memory)} runs): "
