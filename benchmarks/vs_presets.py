@@ -454,6 +454,10 @@ def main() -> None:
     print(report)
 
 
+PRESET_CONFIG_NOTE = " Each preset is priced as its layout (dp, ZeRO stage, offload) under fleet's own DeepSpeed / ZeRO settings, not the preset's: Lightning's DeepSpeed presets use 2e8-element reduce and all-gather buckets, a ZeRO-3 sub_group_size of 1e12 and DeepSpeed's default stage3_param_persistence_threshold (lightning/pytorch/strategies/deepspeed.py), fleet 5e7-element buckets and no persistent parameters (lightning_fleet/runtime/deepspeed/config.py), and Lightning's FSDP wraps the whole model as one unit; their measured memory can exceed what the cost model prices for the layout."
+"""Why a preset's measured memory can exceed its layout's prediction (printed under the report's Prediction line)."""
+
+
 def render(args, variants, sections, limits, use_cgroups, seconds, load_before, load_after) -> str:  # type: ignore[no-untyped-def]
     """VS_PRESETS.md."""
     refusals = [f"- `{s}`: {line}" for s, (_, lines) in variants.items() for line in lines]
@@ -467,7 +471,7 @@ def render(args, variants, sections, limits, use_cgroups, seconds, load_before, 
         f"{load_before[0]:.2f} / {load_after[0]:.2f} (other work on this shared machine ran concurrently when it is above ~2).",
         f"Prediction: lightning_fleet's cost model on `{CLUSTER.relative_to(ROOT)}` (`fleet calibrate` on this machine), the module profiled as "
         "strategy=\"fleet\" profiles it; predicted memory is the whole process (device + host bytes: one RAM on a CPU), measured is the "
-        "resident-set high-water mark.",
+        "resident-set high-water mark." + PRESET_CONFIG_NOTE,
         "",
         "## What runs on a CPU at all",
         "",
