@@ -249,17 +249,20 @@ def report(data: dict[str, Any], priced: list[Priced]) -> tuple[str, dict[str, A
         f"- Step time |error|: median **{summary['median']:.1%}** (goal <= {GOAL_MEDIAN:.0%}: "
         f"{'met' if summary['median'] <= GOAL_MEDIAN else 'missed'}), worst **{summary['worst']:.1%}** "
         f"(goal <= {GOAL_WORST:.0%}: {'met' if summary['worst'] <= GOAL_WORST else 'missed'}).",
-        f"- The same over the {summary['exact_runs']} runs whose layout is priced exactly as published (leaving out "
-        f"{', '.join(p.run.id for p in ok if _layout_substituted(p.run)) or 'none'}, whose recomputation has no plan value and "
-        f"is priced as full recomputation, more work than they did): median {summary['exact_median']:.1%}, worst "
-        f"{summary['exact_worst']:.1%}.",
+        *([] if summary["exact_runs"] == summary["priced"] else [
+            f"- The same over the {summary['exact_runs']} runs whose layout is priced exactly as published (leaving out "
+            f"{', '.join(p.run.id for p in ok if _layout_substituted(p.run))}, priced with a layout knob outside the plan "
+            f"vocabulary: the yaml's spec_why says what it over- or under-counts): median {summary['exact_median']:.1%}, "
+            f"worst {summary['exact_worst']:.1%}."]),
+        *(["- Every priced run's layout is priced exactly as published (no layout knob substituted)."]
+          if summary["exact_runs"] == summary["priced"] else []),
         f"- Published layouts that trained but are predicted not to fit: **{len(misfits)}**"
         + (f" ({', '.join(summary['misfits'])})" if misfits else "") + " (goal 0).",
         f"- Memory where published and the layout is priced as published ({len(memory)} of {len(published_memory)} runs): "
         f"median |error| {summary['memory_median']:.1%}"
         + ("" if len(memory) == len(published_memory) else
-           f" (not compared: {', '.join(p.run.id for p in published_memory if p not in memory)}, whose recomputation is "
-           "priced as another mode)") + ".",
+           f" (not compared: {', '.join(p.run.id for p in published_memory if p not in memory)}, whose layout is "
+           "priced with a substituted knob)") + ".",
         "",
         "## By source",
         "",

@@ -171,15 +171,16 @@ def _changed(before: ModelSpec, after: ModelSpec) -> set[str]:
 
 
 FLASH_TERMS = {"layer.elementwise", "layer.act_sharded_bytes", "layer.act_attention_bytes", "layer.recompute_flops",
-               "layer.attention_flops", "layer.attention_kernel_flops"}
+               "layer.attention_flops", "layer.attention_kernel_flops", "layer.op_recompute"}
+OP = "layer.op_recompute"  # what recompute=op redoes and keeps (tests/test_op_recompute.py has its numbers)
 FEATURES = [
     # feature switched on, the features already on, the terms that must move
-    ({"num_kv_heads": 2}, {}, {"layer.params", "layer.flops", "layer.elementwise"}),
-    ({"num_kv_heads": 2}, {"attention_kernel": "flash"}, {"layer.params", "layer.flops", "layer.act_sharded_bytes"}),
-    ({"ffn_kind": "swiglu"}, {}, {"layer.params", "layer.flops", "layer.elementwise", "layer.act_sharded_bytes"}),
+    ({"num_kv_heads": 2}, {}, {"layer.params", "layer.flops", "layer.elementwise", OP}),
+    ({"num_kv_heads": 2}, {"attention_kernel": "flash"}, {"layer.params", "layer.flops", "layer.act_sharded_bytes", OP}),
+    ({"ffn_kind": "swiglu"}, {}, {"layer.params", "layer.flops", "layer.elementwise", "layer.act_sharded_bytes", OP}),
     ({"attention_kernel": "flash"}, {}, FLASH_TERMS),
     ({"tie_embeddings": False}, {}, {"tied_params"}),
-    ({"position_embedding": "rope"}, {}, {"embedding.params", "embedding.elementwise", "layer.elementwise"}),
+    ({"position_embedding": "rope"}, {}, {"embedding.params", "embedding.elementwise", "layer.elementwise", OP}),
     ({"norm": "rmsnorm"}, {}, {"layer.params", "head.params"}),
     ({"bias": False}, {}, {"layer.params"}),
     ({"dropout": False}, {}, {"embedding.act_replicated_bytes", "layer.act_replicated_bytes", "layer.act_attention_bytes"}),

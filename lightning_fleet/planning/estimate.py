@@ -348,13 +348,17 @@ class TimeModel:
 
     def microbatch_overhead_s(self, zero: int, pp: int, recompute: Recompute, offload: Offload) -> float:
         """:func:`time.microbatch_overhead_s` of one device of a ``pp``-stage pipeline (its share of the operators and
-        parameter tensors); recomputation repeats the share of the forward FLOPs it recomputes."""
+        parameter tensors); recomputation repeats the share of the forward FLOPs it recomputes. Op-level recomputation
+        dispatches every operator of the layers' forward again, as full does: torch.utils.checkpoint's selective mode
+        reruns the checkpointed forward and hands the kept operators their stored outputs at dispatch
+        (``_CachedTorchDispatchMode``), and the layers' module hooks (ZeRO-3's gathers) fire again."""
         key = (zero, pp, recompute, offload)
         seconds = self._overhead_s.get(key)
         if seconds is None:
             model = self.model
             total = sum(b.flops * b.count for b in model.blocks)
-            redone = hardware_flops_per_sample(model, recompute) - 3.0 * model.flops_per_sample
+            rerun = Recompute.FULL if recompute is Recompute.OP else recompute
+            redone = hardware_flops_per_sample(model, rerun) - 3.0 * model.flops_per_sample
             seconds = self._overhead_s[key] = tm.microbatch_overhead_s(
                 model.forward_ops / pp, self.hw.calibration, zero, param_tensors=model.param_tensors / pp,
                 recomputed=redone / total if total else 0.0, offload=offload,
@@ -387,7 +391,7 @@ class TimeModel:
         for load in self.loads(pp):
             fwd, bwd = self._stage_compute(pp, load, mbs, tp, plan.recompute)
             compute_s = fwd + bwd
-            tp_all_s = tm.tp_comm_s(load, mbs=mbs, tp=tp, recompute=plan.recompute, link=tp_link)
+            tp_all_s = tm.tp_comm_s(load, mbs=mbs, tp=tp, recompute=plan.recompute, link=tp_link, sp=plan.sp)
             tp_s = tm.tp_exposed_s(tp_all_s, compute_s, tp_hidden)
             sends_s = tm.pp_comm_s(load, mbs=mbs, tp=tp, sp=plan.sp, pp=pp, vpp=plan.vpp, link=pp_link, split_over_tp=split)
             gathers_s = tm.pp_split_gather_s(load, mbs=mbs, tp=tp, pp=pp, vpp=plan.vpp, link=tp_link) if split else 0.0
@@ -477,6 +481,8 @@ def hardware_flops_per_sample(model: ModelSpec, recompute: Recompute) -> float:
         extra = sum(b.flops * b.count for b in model.blocks if b.role is Role.LAYER)
     elif recompute is Recompute.SELECTIVE:
         extra = sum(b.recompute_flops * b.count for b in model.blocks if b.role is Role.LAYER)
+    elif recompute is Recompute.OP:
+        extra = sum(b.op_recompute.flops * b.count for b in model.blocks if b.role is Role.LAYER and b.op_recompute is not None)
     return 3.0 * model.flops_per_sample + extra
 
 
@@ -544,6 +550,20 @@ def check_plan(model: ModelSpec, cluster: ClusterSpec, plan: Plan) -> None:
     )
     if plan.offload is not Offload.NONE and cluster.host is None:
         raise PlanError(f"plan {plan} offloads to the host, but cluster {cluster.name!r} has no host section (memory_gib, pcie_GBps)")
+    check_recompute(model, plan.recompute)
+
+
+def check_recompute(model: ModelSpec, recompute: Recompute) -> None:
+    """PlanError unless the model says what ``recompute`` does to it: op-level recomputation needs every layer block's
+    :attr:`~lightning_fleet.planning.model.BlockSpec.op_recompute` (the transformer spec gives it; a profiled module's
+    blocks do not)."""
+    if recompute is Recompute.OP and not model.op_recompute_known:
+        unknown = next(b.name for b in model.blocks if b.role is Role.LAYER and b.op_recompute is None)
+        raise PlanError(
+            f"recompute=op needs what op-level recomputation keeps and redoes in each layer block, and model {model.name!r} "
+            f"does not say it for block {unknown!r} (profiled modules never do): use recompute=none, selective or full, "
+            "or give the block an op_recompute"
+        )
 
 
 def estimate_with(

@@ -90,23 +90,31 @@ def in_flight_microbatches(*, stage: int, pp: int, vpp: int, gas: int) -> float:
 
 
 def activation_bytes_per_sample(load: StageLoad, *, tp: int, sp: bool, recompute: Recompute) -> float:
-    """Saved bytes per sample on one device (Korthikanti 2022 eqs. 2-4): replicated parts split only by sp, sharded parts by tp; selective recompute drops attention scores; full recompute keeps each layer's input."""
+    """Saved bytes per sample on one device (Korthikanti 2022 eqs. 2-4): replicated parts split only by sp, sharded parts
+    by tp; selective recompute drops attention scores; full recompute keeps each layer's input; op-level recompute keeps
+    that and the outputs its policy saves (:class:`~lightning_fleet.planning.model.OpRecompute`)."""
     rep_div = tp if sp else 1
-    if recompute is Recompute.FULL:
+    if recompute is Recompute.FULL or recompute is Recompute.OP:
         kept_rep = load.act_replicated_bytes - load.layer_act_replicated_bytes
         kept_split = load.act_sharded_bytes - load.layer_act_sharded_bytes
         kept_split += load.act_attention_bytes - load.layer_act_attention_bytes
-        return kept_rep / rep_div + kept_split / tp + load.checkpoint_bytes / rep_div
+        full = kept_rep / rep_div + kept_split / tp + load.checkpoint_bytes / rep_div
+        if recompute is Recompute.FULL:
+            return full
+        return full + load.layer_op_saved_replicated_bytes / rep_div + load.layer_op_saved_sharded_bytes / tp
     attention = 0.0 if recompute is Recompute.SELECTIVE else load.act_attention_bytes
     return load.act_replicated_bytes / rep_div + (load.act_sharded_bytes + attention) / tp
 
 
 def recompute_transient_bytes(load: StageLoad, *, tp: int, sp: bool, recompute: Recompute, mbs: int) -> float:
-    """Under full recompute one layer's activations are re-materialised during its backward (Korthikanti 2022, Sec. 5)."""
-    if recompute is not Recompute.FULL:
-        return 0.0
+    """Under full recompute one layer's activations are re-materialised during its backward (Korthikanti 2022, Sec. 5);
+    under op-level recompute the part of them its policy does not keep."""
     rep_div = tp if sp else 1
-    return mbs * (load.largest_layer_replicated_bytes / rep_div + load.largest_layer_split_bytes / tp)
+    if recompute is Recompute.FULL:
+        return mbs * (load.largest_layer_replicated_bytes / rep_div + load.largest_layer_split_bytes / tp)
+    if recompute is Recompute.OP:
+        return mbs * (load.largest_op_rematerialised_replicated_bytes / rep_div + load.largest_op_rematerialised_split_bytes / tp)
+    return 0.0
 
 
 def activations_bytes(load: StageLoad, *, tp: int, sp: bool, recompute: Recompute, mbs: int, in_flight: float) -> float:

@@ -108,6 +108,39 @@ class Role(StrEnum):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class OpRecompute:
+    """What op-level selective recomputation (``recompute=op``) does to one layer block, per sample, before tp.
+
+    The policy is torchtitan's ``selective_ac_option = 'op'`` (torchtitan/parallelisms/parallelize_llama.py @9dec370a,
+    ``_custom_policy``: "Saves output of all compute ops, except every second mm", with a fresh matmul counter for each
+    checkpointed block's forward): the outputs of the 1st, 3rd, ... weight matmul and of a fused attention kernel
+    (its output and fp32 logsumexp) are kept; every other operator of the block is recomputed in backward from those
+    and the block's input, which the checkpoint keeps (the ``output_bytes`` full recomputation keeps). A block runs at
+    most the work full recomputation redoes and at least what selective recomputation redoes, and keeps no more than
+    autograd would save without recomputation (checked here, so the search's order of modes holds for every spec)."""
+
+    flops: float
+    """Forward FLOPs it redoes: the even-numbered matmuls, and the attention core when it runs as separate operators
+    (the math kernel: its batched matmuls are not the counted ``mm``, so nothing of it is kept)."""
+    elementwise: float
+    """Output elements of the memory-bound operators it redoes (all of the block's but a fused attention kernel's own)."""
+    saved_replicated_bytes: float
+    """Kept matmul outputs that every tp rank holds whole unless sp splits them: the row-parallel ones (attention output
+    projection, MLP down projection), counted as the h-wide activation after their reduction."""
+    saved_sharded_bytes: float
+    """Kept outputs split by tp: the column-parallel matmuls' (Q/K/V, MLP up / gate) and the fused attention kernel's."""
+
+    def __post_init__(self) -> None:
+        require_non_negative(
+            "op_recompute.",
+            flops=self.flops,
+            elementwise=self.elementwise,
+            saved_replicated_bytes=self.saved_replicated_bytes,
+            saved_sharded_bytes=self.saved_sharded_bytes,
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class BlockSpec:
     """Costs of one block for one sample; ``count`` identical blocks in a row share one entry."""
 
@@ -148,6 +181,9 @@ class BlockSpec:
     trainable_params: int | None = None
     """Parameters of one block that train (``requires_grad``); None: all of them. Gradients, optimizer states and
     their communication scale with these, the working weights with ``params``."""
+    op_recompute: OpRecompute | None = None
+    """What op-level selective recomputation redoes and keeps in this block (layer blocks only); None: unknown (the
+    profiler does not derive it from a measured module), and ``recompute=op`` is not offered for the model."""
 
     def __post_init__(self) -> None:
         where = f"block {self.name!r}: "
@@ -181,6 +217,13 @@ class BlockSpec:
                 f"{where}attention_kernel_flops ({self.attention_kernel_flops:g}) must be <= attention_flops "
                 f"({self.attention_flops:g}): a fused kernel executes at most the scores it is given"
             )
+        if self.op_recompute is not None:
+            _check_op_recompute(self, self.op_recompute, where)
+
+    @property
+    def act_split_bytes(self) -> float:
+        """Saved bytes per sample that tensor parallelism splits: sharded and attention-score bytes."""
+        return self.act_sharded_bytes + self.act_attention_bytes
 
     @property
     def act_bytes(self) -> float:
@@ -191,6 +234,24 @@ class BlockSpec:
     def trainable(self) -> int:
         """Parameters of one block that train."""
         return self.params if self.trainable_params is None else self.trainable_params
+
+
+def _check_op_recompute(block: BlockSpec, op: OpRecompute, where: str) -> None:
+    """SpecError unless ``op`` lies between selective and full recomputation of ``block``: it redoes at least the
+    selective FLOPs and at most the forward outside a fused attention kernel (which it keeps), at most the block's
+    memory-bound operators, and keeps at most what the block saves without recomputation, in each tp split."""
+    bounds = (
+        ("flops", op.flops, block.recompute_flops, block.flops - block.attention_flops,
+         "recompute_flops (selective) <= op_recompute.flops <= flops - attention_flops"),
+        ("elementwise", op.elementwise, 0.0, block.elementwise, "op_recompute.elementwise <= elementwise"),
+        ("saved_replicated_bytes", op.saved_replicated_bytes, 0.0, block.act_replicated_bytes,
+         "op_recompute.saved_replicated_bytes <= act_replicated_bytes"),
+        ("saved_sharded_bytes", op.saved_sharded_bytes, 0.0, block.act_split_bytes,
+         "op_recompute.saved_sharded_bytes <= act_sharded_bytes + act_attention_bytes"),
+    )
+    for name, value, low, high, rule in bounds:
+        if not low <= value <= high:
+            raise SpecError(f"{where}op_recompute.{name} ({value:g}) is out of range: {rule} ({low:g} .. {high:g})")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -260,6 +321,12 @@ class ModelSpec:
         return self.num_kv_heads if self.num_kv_heads is not None else self.num_heads
 
     @property
+    def op_recompute_known(self) -> bool:
+        """Every layer block says what op-level recomputation does to it (:attr:`BlockSpec.op_recompute`): only then
+        can ``recompute=op`` be priced (the planner offers it, ``fleet estimate`` accepts it)."""
+        return all(b.op_recompute is not None for b in self.blocks if b.role is Role.LAYER)
+
+    @property
     def num_layers(self) -> int:
         """Number of pipeline-splittable layer blocks."""
         return sum(b.count for b in self.blocks if b.role is Role.LAYER)
@@ -286,7 +353,7 @@ class ModelSpec:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain mapping in the per-block YAML layout (unset trainable counts left out: all parameters train; unset
-        num_kv_heads, the default grad_accum_dtype and blocks' zero fused-attention FLOPs left out)."""
+        num_kv_heads, the default grad_accum_dtype, blocks' zero fused-attention FLOPs and unknown op_recompute left out)."""
         out = to_mapping(self)
         if self.tied_trainable_params is None:
             del out["tied_trainable_params"]
@@ -300,6 +367,8 @@ class ModelSpec:
             for key in ("attention_flops", "attention_kernel_flops"):
                 if not block[key]:
                     del block[key]
+            if block["op_recompute"] is None:
+                del block["op_recompute"]
         return out
 
     def to_yaml(self) -> str:
@@ -369,7 +438,7 @@ def _kind(enum: type[StrEnum], value: Any, where: str) -> Any:
         raise SpecError(f"{where} must be one of {', '.join(enum)}, got {value!r}") from None
 
 
-_ARCHITECTURE_KEYS = ("num_kv_heads", "tie_embeddings", "bias", "dropout", "causal", *_KINDS)
+_ARCHITECTURE_KEYS = ("num_kv_heads", "tie_embeddings", "bias", "dropout", "causal", "fused_qkv", *_KINDS)
 """Transformer YAML keys added for Llama-class models; left out of a dump when they keep the GPT default."""
 
 
@@ -415,6 +484,11 @@ class TransformerSpec:
     half of its QK^T and scores x V work (FlashAttention-2, Dao 2023, Sec. 3.1); the math kernel computes every score and
     masks them, so it changes nothing there. false: every score is computed (bidirectional attention, or an explicit mask
     passed to the kernel)."""
+    fused_qkv: bool = True
+    """Q, K and V come out of one matmul (GPT-2's ``c_attn``, Megatron-LM's ``linear_qkv``); false: three, in the order
+    Q, K, V (Llama's ``wq``, ``wk``, ``wv``: Meta's reference model, torchtitan, Hugging Face). Parameters, FLOPs and
+    saved bytes are the same either way; it decides which matmuls op-level recomputation (``recompute=op``) keeps, as
+    that policy counts them (:func:`layer_matmuls`)."""
     precision: Precision = Precision.BF16_MIXED
     """bf16-mixed | fp16-mixed | fp32."""
     grad_accum_dtype: GradAccumDtype = GradAccumDtype.WORKING
@@ -675,6 +749,103 @@ def layer_recompute_flops(s: int, h: int, kernel: AttentionKernel = AttentionKer
     return layer_attention_flops(s, h) if kernel is AttentionKernel.MATH else 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class Matmul:
+    """One weight matmul of a decoder layer, [s x inputs] @ [inputs x outputs] per sample."""
+
+    name: str
+    """What it computes (qkv, q, k, v, out; fc1, fc2; gate, up, down)."""
+    inputs: int
+    """Its input width."""
+    outputs: int
+    """Its output width."""
+    row_parallel: bool
+    """Tensor parallelism splits its input dimension, so its output is h wide on every rank (Megatron-LM's
+    RowParallelLinear: attention output and MLP down projection); else its output dimension (ColumnParallelLinear)."""
+
+
+def layer_matmuls(
+    h: int, f: int, *, kv_dim: int | None = None, ffn_kind: FfnKind = FfnKind.GELU, fused_qkv: bool = True
+) -> tuple[Matmul, ...]:
+    """The layer's weight matmuls in forward order: attention's Q/K/V (one fused h x (h + 2 kv_dim) matmul, or Q, K, V),
+    its output projection, then the MLP: gelu fc1, fc2; swiglu gate, up, down (torchtitan's FeedForward
+    ``self.w2(F.silu(self.w1(x)) * self.w3(x))``, Attention ``xq, xk, xv = self.wq(x), self.wk(x), self.wv(x)`` then
+    ``self.wo(output)``, torchtitan/models/llama/model.py @9dec370a). Their FLOPs, 2 s x inputs x outputs each, add up to
+    :func:`attention_gemm_flops` + :func:`mlp_flops`."""
+    kv = h if kv_dim is None else kv_dim
+    if fused_qkv:
+        qkv = (Matmul("qkv", h, h + 2 * kv, False),)
+    else:
+        qkv = (Matmul("q", h, h, False), Matmul("k", h, kv, False), Matmul("v", h, kv, False))
+    if ffn_kind is FfnKind.GELU:
+        mlp = (Matmul("fc1", h, f, False), Matmul("fc2", f, h, True))
+    else:
+        mlp = (Matmul("gate", h, f, False), Matmul("up", h, f, False), Matmul("down", f, h, True))
+    return (*qkv, Matmul("out", h, h, True), *mlp)
+
+
+def op_kept_matmuls(matmuls: tuple[Matmul, ...]) -> tuple[Matmul, ...]:
+    """The matmuls whose outputs op-level recomputation keeps: the 1st, 3rd, ... in forward order (torchtitan's policy
+    counts ``aten.mm`` calls per checkpointed block and saves those where the count is odd)."""
+    return matmuls[0::2]
+
+
+def op_recomputed_matmuls(matmuls: tuple[Matmul, ...]) -> tuple[Matmul, ...]:
+    """The matmuls op-level recomputation runs again in backward: the 2nd, 4th, ... in forward order."""
+    return matmuls[1::2]
+
+
+def op_recompute_flops(s: int, h: int, matmuls: tuple[Matmul, ...], kernel: AttentionKernel = AttentionKernel.MATH) -> float:
+    """Forward FLOPs op-level recomputation redoes per sample: the even-numbered matmuls, 2 s x inputs x outputs each, and
+    under the math kernel the attention core 4 s^2 h (its batched matmuls and softmax are not in the policy's save list;
+    a fused kernel's output is, so under flash it is not redone)."""
+    core = layer_attention_flops(s, h) if kernel is AttentionKernel.MATH else 0.0
+    return sum(2.0 * s * m.inputs * m.outputs for m in op_recomputed_matmuls(matmuls)) + core
+
+
+def op_recompute_elementwise(
+    layer_elementwise: float, s: int, h: int, a: int, kernel: AttentionKernel = AttentionKernel.MATH
+) -> float:
+    """Output elements of the memory-bound operators op-level recomputation redoes: every one of the layer's (norms,
+    rotary embeddings, activations, residual adds, copies; the softmax too under math), less the fused kernel's own
+    softmax under flash (:func:`attention_elementwise`), which is kept with the kernel's output."""
+    if kernel is AttentionKernel.FLASH:
+        return layer_elementwise - attention_elementwise(s, h, a, kernel=kernel)
+    return layer_elementwise
+
+
+def op_saved_replicated_bytes(s: int, e: int, matmuls: tuple[Matmul, ...]) -> float:
+    """Kept bytes per sample that tp does not split: the kept row-parallel matmuls' outputs, e*s*outputs each."""
+    return float(sum(e * s * m.outputs for m in op_kept_matmuls(matmuls) if m.row_parallel))
+
+
+def op_saved_sharded_bytes(
+    s: int, h: int, a: int, e: int, matmuls: tuple[Matmul, ...], kernel: AttentionKernel = AttentionKernel.MATH
+) -> float:
+    """Kept bytes per sample split by tp: the kept column-parallel matmuls' outputs, e*s*outputs each, and under flash the
+    fused kernel's outputs, e*s*h and the fp32 logsumexp (:func:`flash_logsumexp_bytes`; the policy keeps every output
+    of ``aten._scaled_dot_product_flash_attention``). Under math nothing of the core is kept."""
+    kept = sum(e * s * m.outputs for m in op_kept_matmuls(matmuls) if not m.row_parallel)
+    fused = e * s * h + flash_logsumexp_bytes(s, a) if kernel is AttentionKernel.FLASH else 0.0
+    return float(kept) + fused
+
+
+def layer_op_recompute(spec: "TransformerSpec") -> OpRecompute:
+    """What op-level recomputation redoes and keeps in one decoder layer of ``spec``, per sample."""
+    s, h, a, f, kv = spec.seq_length, spec.hidden_size, spec.num_heads, spec.ffn, spec.kv_dim
+    e, kernel = spec.precision.element_bytes, spec.attention_kernel
+    matmuls = layer_matmuls(h, f, kv_dim=kv, ffn_kind=spec.ffn_kind, fused_qkv=spec.fused_qkv)
+    elementwise = layer_elementwise(
+        s, h, f, a, kv_dim=kv, ffn_kind=spec.ffn_kind, kernel=kernel, position=spec.position_embedding
+    )
+    return OpRecompute(
+        flops=op_recompute_flops(s, h, matmuls, kernel),
+        elementwise=op_recompute_elementwise(elementwise, s, h, a, kernel),
+        saved_replicated_bytes=op_saved_replicated_bytes(s, e, matmuls),
+        saved_sharded_bytes=op_saved_sharded_bytes(s, h, a, e, matmuls, kernel),
+    )
+
+
 def embedding_elementwise(s: int, h: int, position: PositionEmbedding = PositionEmbedding.LEARNED) -> float:
     """Output elements of the embedding that do no matmul: learned, the lookups and their sum (2*s*h, as before); rope, the
     token lookup (s*h)."""
@@ -719,6 +890,7 @@ def _layer_block(spec: TransformerSpec) -> BlockSpec:
         attention_flops=fused_attention_flops(s, h, kernel),
         attention_kernel_flops=attention_kernel_flops(s, h, kernel=kernel, causal=spec.causal),
         output_bytes=float(e * s * h),
+        op_recompute=layer_op_recompute(spec),
         tp_allreduces_fwd=2,  # after attention and after the MLP (Megatron g operators)
         tp_allreduces_bwd=2,  # at their inputs (Megatron f operators)
     )
@@ -807,8 +979,10 @@ __all__ = [
     "BlockSpec",
     "FfnKind",
     "GradAccumDtype",
+    "Matmul",
     "ModelSpec",
     "NormKind",
+    "OpRecompute",
     "PositionEmbedding",
     "Precision",
     "Role",

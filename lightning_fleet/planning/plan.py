@@ -41,11 +41,19 @@ class Axis(StrEnum):
 
 
 class Recompute(StrEnum):
-    """Activation recomputation: none, selective (attention core), full (whole layers)."""
+    """Activation recomputation, in order of the work it redoes (the search relies on this order: each mode redoes at
+    least the work of the ones before it, so it is never faster)."""
 
     NONE = "none"
+    """Every layer keeps what autograd saves."""
     SELECTIVE = "selective"
+    """The attention core is recomputed, its s x s scores not kept (Korthikanti et al. 2022, Sec. 5)."""
+    OP = "op"
+    """Op-level selective checkpointing: each layer keeps its input, the outputs of its odd-numbered weight matmuls (1st,
+    3rd, ... in forward order) and of a fused attention kernel, and recomputes the rest of its forward in backward
+    (torchtitan's ``selective_ac_option = 'op'`` policy; :class:`~lightning_fleet.planning.model.OpRecompute`)."""
     FULL = "full"
+    """Each layer keeps only its input and recomputes its whole forward in backward."""
 
 
 class Offload(StrEnum):

@@ -5,9 +5,10 @@ anything. These rules keep it fast and exact (tests compare it with brute force)
 
 * memory never shrinks as the micro-batch grows, so the first micro-batch size that does not fit
   ends that branch;
-* recomputation (none < selective < full) and offload (none < optimizer < optimizer+params) only
-  add time and only remove memory, so a fitting variant is priced only when no variant with less
-  of both fits;
+* recomputation (none < selective < op < full, the order of :class:`Recompute`: each mode redoes at
+  least the work of the ones before it, which :class:`~lightning_fleet.planning.model.OpRecompute`
+  checks for every block) and offload (none < optimizer < optimizer+params) only add time, so a
+  fitting variant is priced only when no variant with less of both fits;
 * branch and bound on compute: a micro-batch size is not priced when its step time with all
   communication free (:func:`~lightning_fleet.planning.estimate.compute_bound_s`, a lower bound over
   placements, recomputation and offload) is no better than the top-th time priced so far;
@@ -56,6 +57,7 @@ from lightning_fleet.planning.estimate import (
     Hardware,
     StateBytes,
     TimeModel,
+    check_recompute,
     stage_state_bytes,
 )
 from lightning_fleet.planning.memory import MemoryEstimate
@@ -82,8 +84,8 @@ class Constraints:
     """Consider optimizer / parameter offload (needs a host section in the cluster)."""
     require_offload: bool = False
     """Consider only plans that offload (implies allow_offload)."""
-    recompute: tuple[Recompute, ...] = (Recompute.NONE, Recompute.SELECTIVE, Recompute.FULL)
-    """Recomputation modes to consider."""
+    recompute: tuple[Recompute, ...] = tuple(Recompute)
+    """Recomputation modes to consider (:func:`plan` leaves op out for a model that does not say what it does to it)."""
     allow_sp: bool = True
     """Consider sequence parallelism."""
     max_vpp: int | None = None
@@ -121,7 +123,7 @@ class Constraints:
     """Exact layers per pipeline stage of every plan, first to last (None: the default split); pp must be its length."""
 
     def __post_init__(self) -> None:
-        order = list(Recompute)  # none < selective < full: the search relies on this order
+        order = list(Recompute)  # none < selective < op < full, each never faster: the search relies on this order
         object.__setattr__(self, "recompute", tuple(sorted({Recompute(r) for r in self.recompute}, key=order.index)))
         for stage in self.zero_stages:
             if stage not in (0, 1, 2, 3):
@@ -823,9 +825,10 @@ class _Search:
     def _misfit(self, fields: dict[str, object], acts: _Activations, states: _States) -> None:
         """Record the variant of a family (the plan with these fields) closest to fitting: its shortfall and largest term.
 
-        Every variant misses. The last recompute mode needs the least device memory for every offload mode and host
-        memory does not depend on recomputation, so the closest is that mode with the offload mode that misses by the
-        least (device or host bytes, whichever is worse: :meth:`MemoryEstimate.shortfall_bytes`, summed as it sums).
+        Every variant misses. The last recompute mode (full; op when full is not allowed) needs the least device memory
+        for every offload mode and host memory does not depend on recomputation, so the closest is that mode with the
+        offload mode that misses by the least (device or host bytes, whichever is worse:
+        :meth:`MemoryEstimate.shortfall_bytes`, summed as it sums).
         When every offload mode fits the host, that is the heaviest one (offload only removes device bytes).
         """
         recompute = self.cons.recompute[-1]
@@ -896,6 +899,7 @@ def plan(
     if top < 1:
         raise PlanError(f"top must be >= 1, got {top}")
     cons = constraints if constraints is not None else Constraints(**constraint_fields)  # type: ignore[arg-type]
+    cons = _recomputable(model, cons)
     if cons.stage_layers is not None:
         check_stage_layers(model, cons.stage_layers)
     started = _clock.perf_counter()
@@ -919,6 +923,17 @@ def plan(
         all_feasible=tuple(ranked),
         misfit_plans=tuple(m.plan for m in search.misfits),
     )
+
+
+def _recomputable(model: ModelSpec, cons: Constraints) -> Constraints:
+    """``cons`` without recompute=op when the model does not say what op-level recomputation does to its layers (a
+    profiled module: :attr:`ModelSpec.op_recompute_known`); PlanError (one line) when op is the only mode it allows."""
+    if Recompute.OP not in cons.recompute or model.op_recompute_known:
+        return cons
+    left = tuple(r for r in cons.recompute if r is not Recompute.OP)
+    if not left:
+        check_recompute(model, Recompute.OP)
+    return dataclasses.replace(cons, recompute=left)
 
 
 def _nothing_fits(model: ModelSpec, cluster: ClusterSpec, search: _Search) -> NoFeasiblePlanError:

@@ -72,6 +72,19 @@ class StageLoad:
     """Replicated saved bytes per sample of the largest layer (re-materialised under full recompute)."""
     largest_layer_split_bytes: float = 0.0
     """Sharded + attention saved bytes per sample of that layer."""
+    op_recompute_flops: float = 0.0
+    """Forward FLOPs per sample op-level recomputation redoes, layer blocks (:attr:`OpRecompute.flops`)."""
+    op_recompute_elementwise: float = 0.0
+    """Output elements per sample of the memory-bound operators it redoes, layer blocks."""
+    layer_op_saved_replicated_bytes: float = 0.0
+    """Bytes per sample op-level recomputation keeps beside each layer's input that tp does not split (sp does)."""
+    layer_op_saved_sharded_bytes: float = 0.0
+    """Bytes per sample it keeps that tp splits."""
+    largest_op_rematerialised_replicated_bytes: float = 0.0
+    """Replicated saved bytes per sample that op-level recomputation re-materialises in the backward of the layer where
+    that is the most (its saved bytes less what it keeps)."""
+    largest_op_rematerialised_split_bytes: float = 0.0
+    """Sharded + attention bytes per sample it re-materialises in that layer."""
     tp_allreduces: int = 0
     """Tensor-parallel all-reduces per micro-batch, forward and backward."""
     tp_allreduce_bytes: float = 0.0
@@ -262,11 +275,26 @@ def _sum(pairs: list[tuple[BlockSpec, int]], attr: str, role: Role | None = None
     return sum(getattr(b, attr) * n for b, n in pairs if role is None or b.role is role)
 
 
+def _sum_op(pairs: list[tuple[BlockSpec, int]], attr: str) -> float:
+    """The layer blocks' :class:`OpRecompute` ``attr``, summed (0 for a block that does not know it)."""
+    return sum(getattr(b.op_recompute, attr) * n for b, n in pairs if b.role is Role.LAYER and b.op_recompute is not None)
+
+
+def _op_rematerialised(block: BlockSpec) -> tuple[float, float]:
+    """(replicated, split) saved bytes per sample that op-level recomputation re-materialises in ``block``'s backward:
+    what it saves without recomputation less what the policy keeps (nothing when the block does not know it)."""
+    op = block.op_recompute
+    if op is None:
+        return (0.0, 0.0)
+    return (block.act_replicated_bytes - op.saved_replicated_bytes, block.act_split_bytes - op.saved_sharded_bytes)
+
+
 def _stage(model: ModelSpec, split: tuple[int, ...], index: int) -> StageLoad:
     pp = len(split)
     pairs = _layer_slice(model, split, index)
     layers = [b for b, _ in pairs if b.role is Role.LAYER]
     biggest = max(layers, key=lambda b: b.act_bytes) if layers else _NO_LAYER
+    rematerialised = max((_op_rematerialised(b) for b in layers), key=sum, default=(0.0, 0.0))
     tied = model.tied_params if pp == 1 else 0
     return StageLoad(
         index=index,
@@ -292,6 +320,12 @@ def _stage(model: ModelSpec, split: tuple[int, ...], index: int) -> StageLoad:
         checkpoint_bytes=_sum(pairs, "output_bytes", Role.LAYER),
         largest_layer_replicated_bytes=biggest.act_replicated_bytes,
         largest_layer_split_bytes=biggest.act_sharded_bytes + biggest.act_attention_bytes,
+        op_recompute_flops=_sum_op(pairs, "flops"),
+        op_recompute_elementwise=_sum_op(pairs, "elementwise"),
+        layer_op_saved_replicated_bytes=_sum_op(pairs, "saved_replicated_bytes"),
+        layer_op_saved_sharded_bytes=_sum_op(pairs, "saved_sharded_bytes"),
+        largest_op_rematerialised_replicated_bytes=rematerialised[0],
+        largest_op_rematerialised_split_bytes=rematerialised[1],
         tp_allreduces=int(sum((b.tp_allreduces_fwd + b.tp_allreduces_bwd) * n for b, n in pairs)),
         tp_allreduce_bytes=sum((b.tp_allreduces_fwd + b.tp_allreduces_bwd) * b.output_bytes * n for b, n in pairs),
         layer_tp_allreduces_fwd=int(_sum(pairs, "tp_allreduces_fwd", Role.LAYER)),

@@ -75,21 +75,40 @@ def recompute_s(
     attention_efficiency: float = 1.0,
 ) -> float:
     """Recomputation is hardware FLOPs (Narayanan 2021): full redoes the layers' forward (its memory-bound operators
-    too, its fused attention at the kernel's rate, as :func:`forward_s`), selective the attention core (Korthikanti 2022)."""
+    too, its fused attention at the kernel's rate, as :func:`forward_s`), selective the attention core (Korthikanti 2022),
+    op-level the matmuls and memory-bound operators its policy does not keep
+    (:class:`~lightning_fleet.planning.model.OpRecompute`: never a fused attention kernel, whose output it keeps)."""
     if recompute is Recompute.NONE:
         return 0.0
     if recompute is Recompute.FULL:
         attention_s = load.layer_attention_kernel_flops / (flops_per_s * attention_efficiency)
         matmul_s = (load.layer_flops - load.layer_attention_flops) / flops_per_s + attention_s
         return (matmul_s + load.layer_elementwise * elementwise_s) * mbs / tp
+    if recompute is Recompute.OP:
+        # the selective term's expression first, so op (which redoes at least those FLOPs) is never the faster, bit for bit
+        return load.op_recompute_flops * mbs / tp / flops_per_s + load.op_recompute_elementwise * elementwise_s * mbs / tp
     return load.recompute_flops * mbs / tp / flops_per_s
 
 
-def tp_comm_s(load: StageLoad, *, mbs: int, tp: int, recompute: Recompute, link: LinkSpec) -> float:
-    """Tensor-parallel all-reduces of one micro-batch (sp's all-gather + reduce-scatter pairs cost the same); full recompute repeats the layers' forward ones."""
+def tp_comm_s(load: StageLoad, *, mbs: int, tp: int, recompute: Recompute, link: LinkSpec, sp: bool = False) -> float:
+    """Tensor-parallel all-reduces of one micro-batch (sp's all-gather + reduce-scatter pairs cost the same); full
+    recompute repeats the layers' forward ones, and so does op-level recompute without sp; with sp it repeats only their
+    all-gathers, as torchtitan's op policy keeps the reduce-scatters' outputs (``_c10d_functional.reduce_scatter_tensor``
+    in its save list, torchtitan/parallelisms/parallelize_llama.py @9dec370a)."""
+    if recompute is Recompute.OP and sp:
+        base, repeated = _tp_allreduces_s(load, mbs=mbs, tp=tp, repeat_forward=False, link=link), load.layer_tp_allreduces_fwd
+        if tp == 1 or repeated == 0:
+            return base
+        return base + repeated * allgather_s(load.layer_tp_allreduce_fwd_bytes * mbs / repeated, tp, link)
+    repeat = recompute is Recompute.FULL or recompute is Recompute.OP
+    return _tp_allreduces_s(load, mbs=mbs, tp=tp, repeat_forward=repeat, link=link)
+
+
+def _tp_allreduces_s(load: StageLoad, *, mbs: int, tp: int, repeat_forward: bool, link: LinkSpec) -> float:
+    """The stage's tp all-reduces of one micro-batch, with the layers' forward ones a second time when ``repeat_forward``."""
     messages = load.tp_allreduces
     nbytes = load.tp_allreduce_bytes
-    if recompute is Recompute.FULL:
+    if repeat_forward:
         messages += load.layer_tp_allreduces_fwd
         nbytes += load.layer_tp_allreduce_fwd_bytes
     if tp == 1 or messages == 0:

@@ -85,6 +85,10 @@ class Capabilities:
     """Places the axes on ranks in any order (False: the default tp-dp-pp only)."""
     selective_recompute: bool
     """Runs selective recomputation (the attention core only)."""
+    op_recompute: bool
+    """Runs op-level selective recomputation (``recompute=op``: a per-operator save policy inside each layer's
+    checkpoint, torch.utils.checkpoint's ``create_selective_checkpoint_contexts`` as torchtitan applies it); it wraps
+    the layers like full recomputation, so it needs a layer stack where that does (``full_recompute_needs_layers``)."""
     full_recompute_needs_layers: bool
     """Full recomputation wraps the layers of the module's layer stack: without one it cannot."""
     tp_needs_hook: bool
@@ -167,6 +171,11 @@ class Capabilities:
             return f"plan {plan}: {self.label} splits the layers of a pipeline evenly only; leave stage_layers out"
         if plan.recompute is Recompute.SELECTIVE and not self.selective_recompute:
             return f"plan {plan}: selective recomputation needs attention internals; use recompute=full or none"
+        if plan.recompute is Recompute.OP and not self.op_recompute:
+            modes = _either(self._recompute_modes(hooks))
+            return f"plan {plan}: {self.label} runs no op-level recomputation; use recompute {modes}"
+        if plan.recompute is Recompute.OP and Recompute.OP not in self._recompute_modes(hooks):
+            return f"plan {plan}: recompute=op needs the layer stack: add fleet_layers() to {hooks.name}"
         if plan.recompute is Recompute.FULL and Recompute.FULL not in self._recompute_modes(hooks):
             return f"plan {plan}: recompute=full needs the layer stack: add fleet_layers() to {hooks.name}"
         if plan.order not in (None, DEFAULT_ORDER) and not self.any_placement:
@@ -198,7 +207,10 @@ class Capabilities:
         modes = [Recompute.NONE]
         if self.selective_recompute:
             modes.append(Recompute.SELECTIVE)
-        if hooks.layers or not self.full_recompute_needs_layers:
+        wraps_layers = hooks.layers or not self.full_recompute_needs_layers
+        if self.op_recompute and wraps_layers:
+            modes.append(Recompute.OP)
+        if wraps_layers:
             modes.append(Recompute.FULL)
         return tuple(modes)
 
@@ -222,9 +234,9 @@ class Capabilities:
         return "no interleaved pipelines; use vpp=1"
 
 
-def _either(stages: tuple[int, ...]) -> str:
+def _either(values: tuple[object, ...]) -> str:
     """'1, 2 or 3'."""
-    names = [str(s) for s in stages]
+    names = [str(s) for s in values]
     return ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else "".join(names)
 
 
@@ -239,6 +251,7 @@ ANY = Capabilities(
     offload_with_pp=True,
     any_placement=True,
     selective_recompute=True,
+    op_recompute=True,
     full_recompute_needs_layers=False,
     tp_needs_hook=False,
     pp_needs_hook=False,

@@ -58,6 +58,11 @@ DEEPSPEED = Capabilities(
     any_placement=False,
     # selective recomputation needs the attention core's internals, which a user's module does not expose
     selective_recompute=False,
+    # op-level selective checkpointing needs a save policy per operator inside each layer's checkpoint (torch.utils.checkpoint
+    # context_fn=create_selective_checkpoint_contexts(policy)); strategy "fleet" wraps each layer in plain checkpointing
+    # (runtime/deepspeed/backend.py _checkpointed) and its pipeline uses DeepSpeed's activation_checkpoint_interval
+    # (runtime/deepspeed/pipeline.py): neither runs such a policy
+    op_recompute=False,
     # full recomputation wraps each layer of the layer stack in torch.utils.checkpoint (the pipeline: its own
     # activation checkpointing over the same layers)
     full_recompute_needs_layers=True,
