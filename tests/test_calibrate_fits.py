@@ -68,7 +68,7 @@ def test_fleet_calibrate_writes_a_cluster_for_two_processes(tmp_path):
     import subprocess
     import sys
 
-    from lightning_fleet.planning import load_cluster
+    from lightning_fleet.planning import Calibration, load_cluster
     from tests.multiprocess import ROOT, worker_env
 
     out = tmp_path / "cluster.yaml"
@@ -77,7 +77,7 @@ def test_fleet_calibrate_writes_a_cluster_for_two_processes(tmp_path):
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     # a short summary, none of the probe's framework messages (621 lines before they were kept out)
     lines = done.stdout.splitlines()
-    assert done.stderr == "" and len(lines) == 7, done.stdout + done.stderr
+    assert done.stderr == "" and len(lines) == 8, done.stdout + done.stderr
     assert lines[0].startswith("fleet calibrate: 2 x cpu-") and "GEMM peak   fp32 " in lines[1]
     assert f"written to  {out}" in lines[-1]
     cluster = load_cluster(str(out))
@@ -87,6 +87,8 @@ def test_fleet_calibrate_writes_a_cluster_for_two_processes(tmp_path):
     assert c.zero_tensor_overhead_s[3] > 0  # ZeRO-3's gathers cost time per tensor
     assert c.adam_params_per_s > 0 and c.op_overhead_s > 0 and c.memory_reserve_gib > 0.1
     assert 1e-11 < c.elementwise_s < 1e-7  # memory-bound operators: ~1 ns an element on this CPU
+    assert "FLASH_ATTENTION fp32" in lines[5]  # the CPU's fused kernel was timed
+    assert 0 < c.attention_efficiency < 10 and c.attention_efficiency != Calibration().attention_efficiency
 
 
 @pytest.mark.pure
@@ -166,10 +168,14 @@ def test_matmul_points_grow_the_gemm_while_it_gets_faster(monkeypatch) -> None:
 
 
 @pytest.mark.pure
-def test_summary_says_what_was_measured_in_seven_lines() -> None:
-    """The summary names the device, the peaks (and when the bound applied), memory, link, operators, framework, file."""
+def test_summary_says_what_was_measured_in_eight_lines() -> None:
+    """The summary names the device, the peaks (and when the bound applied), memory, link, operators, attention,
+    framework, file."""
+    import dataclasses
+
     from lightning_fleet.calibrate.command import summary
-    from lightning_fleet.calibrate.measure import MatmulFit, Measurement
+    from lightning_fleet.calibrate.measure import AttentionFit, AttentionPoint, MatmulFit, Measurement
+    from lightning_fleet.planning import Calibration
     from tests.conftest import make_cluster
 
     cluster = make_cluster(nodes=1, devices_per_node=2, step_overhead_s=0.002, microbatch_overhead_s=0.0003)
@@ -180,12 +186,26 @@ def test_summary_says_what_was_measured_in_seven_lines() -> None:
                   unbounded_peak_flops=2e13),
     )
     lines = summary(Measurement(cluster=cluster, matmul=fits), cluster, "out.yaml", 12.3, framework=True)
-    assert len(lines) == 7 and lines[0] == "fleet calibrate: 2 x gpu on 1 node(s), measured in 12.3 s"
+    assert len(lines) == 8 and lines[0] == "fleet calibrate: 2 x gpu on 1 node(s), measured in 12.3 s"
     assert "fp32 0.23 TFLOP/s (still rising at d=64" in lines[1]
     assert "bf16 1.6 TFLOP/s (the fastest GEMM measured; the unbounded fit said 20)" in lines[1]
-    assert "2 ms per step, 0.3 ms per micro-batch" in lines[5] and lines[6].startswith("  written to  out.yaml")
+    assert lines[5] == ("  attention   causal scaled_dot_product_attention runs the math path here: efficiency not measured "
+                        "(default 0.83 kept)")
+    assert "2 ms per step, 0.3 ms per micro-batch" in lines[6] and lines[7].startswith("  written to  out.yaml")
     unprobed = summary(Measurement(cluster=cluster, matmul=fits), cluster, "o", 1.0, framework=False)
-    assert "not measured (--no-framework)" in unprobed[5]
+    assert "not measured (--no-framework)" in unprobed[6]
+    # a fit: two shapes at 0.5 and 0.7 (forward 1 s, backward 2 s and 3 s), the median 0.6 written
+    points = [AttentionPoint(shape=(1, 1, 8, 8), forward_s=1.0, total_s=t, gemm_flops_per_s=1.0) for t in (3.0, 4.0)]
+    fit = AttentionFit(precision="bf16", backend="FLASH_ATTENTION", points=tuple(points), efficiencies=(0.5, 0.7), efficiency=0.6,
+                       capped=0)
+    fitted = cluster.with_calibration(Calibration(attention_efficiency=0.6))
+    lines = summary(Measurement(cluster=fitted, matmul=fits, attention=fit), fitted, "o", 1.0, framework=True)
+    assert lines[5] == ("  attention   fused kernel at 0.6 x the GEMM rate (causal SDPA, FLASH_ATTENTION bf16, median of 2 "
+                        "shapes 0.5-0.7); backward 2.5 x forward (priced 2.5)")
+    capped = dataclasses.replace(fit, efficiencies=(0.5, 10.0), capped=1)
+    line = summary(Measurement(cluster=fitted, matmul=fits, attention=capped), fitted, "o", 1.0, framework=True)[5]
+    assert line.endswith("shapes 0.5-10); backward 2.5 x forward (priced 2.5); 1 shape(s) at the bound 10 (their softmax, priced "
+                         "element-wise, ~ all their time)")
 
 
 QUIET_SCRIPT = """
@@ -247,3 +267,94 @@ def test_matmul_points_stop_before_a_gemm_would_take_too_long(monkeypatch) -> No
     monkeypatch.setattr(measure, "MATMUL_LONGEST_S", 3.0)
     points = measure.matmul_points(torch.device("cpu"), torch.float32, 0.0)
     assert [round(d) for d, _ in points[len(measure.MATMUL_SHAPES):]] == [1024]  # 2048 would take 8.6 s
+
+
+def _attention_point(total_s: float, shape: tuple[int, int, int, int] = (2, 4, 128, 32)):
+    from lightning_fleet.calibrate.measure import AttentionPoint
+
+    return AttentionPoint(shape=shape, forward_s=total_s / 3.5, total_s=total_s, gemm_flops_per_s=1e11)
+
+
+@pytest.mark.pure
+def test_attention_point_counts_as_the_cost_model() -> None:
+    """b = 2, a = 4, s = 128, d = 32 (h = 128): the causal kernel executes 4 s^2 h / 2 = 2 * 16384 * 128 = 4194304 FLOPs a
+    sample, 8388608 for two; its softmax is priced as 2 a s^2 = 131072 elements a sample, 262144 for two."""
+    point = _attention_point(1e-3)
+    assert point.kernel_flops == 8388608 and point.softmax_elements == 262144
+
+
+@pytest.mark.pure
+def test_attention_efficiency_by_hand() -> None:
+    """The shape above at a GEMM rate of 1e11 FLOP/s and elementwise_s 1 ns: at efficiency 0.5 the cost model prices the
+    kernel at 3.5 * 8388608 / (1e11 * 0.5) = 587.20256 us and its softmax at 3 * 262144 * 1 ns = 786.432 us (forward
+    once, backward twice), 1373.63456 us in all; that measured time gives back 0.5, and so does it with 10 us more of
+    dispatch for each of the two calls when dispatch_s = 10 us is taken off."""
+    from lightning_fleet.calibrate.measure import attention_efficiency_of
+
+    assert attention_efficiency_of(_attention_point(1373.63456e-6), 1e-9) == pytest.approx(0.5, rel=1e-12)
+    assert attention_efficiency_of(_attention_point(1393.63456e-6), 1e-9, 10e-6) == pytest.approx(0.5, rel=1e-12)
+    assert attention_efficiency_of(_attention_point(587.20256e-6), 0.0) == pytest.approx(0.5, rel=1e-12)  # no element price
+
+
+@pytest.mark.pure
+def test_attention_efficiency_is_bounded_when_the_softmax_price_takes_all_the_time() -> None:
+    """Measured 700 us, less than the 786.432 us the softmax elements are priced at: nothing is left to the matmuls, and
+    the fit states the bound (10), as it does for a kernel priced faster than that: 587.20256 us at 0.5 -> 29.360128 us at 10."""
+    from lightning_fleet.calibrate.measure import attention_efficiency_of
+    from lightning_fleet.planning.cluster import ATTENTION_EFFICIENCY_MAX
+
+    assert attention_efficiency_of(_attention_point(700e-6), 1e-9) == ATTENTION_EFFICIENCY_MAX == 10
+    assert attention_efficiency_of(_attention_point(20e-6), 0.0) == 10  # would be 14.7
+    assert attention_efficiency_of(_attention_point(29.360128e-6 * 2), 0.0) == pytest.approx(5.0)
+
+
+@pytest.mark.pure
+def test_fit_attention_efficiency_is_the_median_of_the_shapes() -> None:
+    """Shapes at 0.25, 0.5 and the bound (kernel times 2x and 1x the 587.20256 us of 0.5, and 10 us): the median 0.5, one
+    capped."""
+    from lightning_fleet.calibrate.measure import fit_attention_efficiency
+
+    points = [_attention_point(t) for t in (2 * 587.20256e-6, 587.20256e-6, 10e-6)]
+    fit = fit_attention_efficiency(points, 0.0, precision="fp32", backend="FLASH_ATTENTION")
+    assert fit.efficiencies == pytest.approx((0.25, 0.5, 10.0)) and fit.efficiency == pytest.approx(0.5) and fit.capped == 1
+    assert fit.backward_ratio == pytest.approx(2.5)  # forward_s = total / 3.5
+
+
+@pytest.mark.pure
+def test_attention_efficiency_in_a_cluster_file_is_checked_and_round_trips() -> None:
+    """A cluster file's attention_efficiency: above the bound or not positive, one line naming the key; a measured value
+    survives dump and load."""
+    import yaml
+
+    from lightning_fleet.planning import SpecError, cluster_from_dict
+    from tests.conftest import make_cluster
+
+    cluster = make_cluster(attention_efficiency=0.594)
+    assert cluster_from_dict(yaml.safe_load(cluster.to_yaml())) == cluster
+    data = cluster.to_dict()
+    for bad, says in ((83.0, "calibration.attention_efficiency is a fused attention kernel's rate over the GEMMs' and must be "
+                              "<= 10, got 83.0: measure it with fleet calibrate or leave it out"),
+                      (0, "calibration.attention_efficiency must be > 0, got 0")):
+        data["calibration"]["attention_efficiency"] = bad
+        with pytest.raises(SpecError) as error:
+            cluster_from_dict(data)
+        assert says in str(error.value) and "\n" not in str(error.value)
+
+
+@pytest.mark.pure
+def test_measure_attention_times_the_cpu_fused_kernel_on_tiny_shapes() -> None:
+    """On this CPU, causal scaled_dot_product_attention runs PyTorch's fused flash kernel (what profiling prices as fused);
+    two tiny shapes give a finite positive efficiency against a stated 100 GFLOP/s GEMM curve, forward and backward timed."""
+    import math
+
+    import torch
+
+    from lightning_fleet.calibrate.measure import MatmulFit, fused_attention_backend, measure_attention
+
+    cpu = torch.device("cpu")
+    assert fused_attention_backend((2, 2, 64, 16), cpu, torch.float32) == "FLASH_ATTENTION"
+    curve = MatmulFit(precision="fp32", points=((64.0, 1e11),), peak_flops=1e11, half_dim=0.0, unbounded_peak_flops=1e11)
+    fit = measure_attention(cpu, curve, 0.0, 0.0, shapes=((2, 2, 64, 16), (1, 2, 128, 16)))
+    assert fit is not None and fit.backend == "FLASH_ATTENTION" and fit.precision == "fp32" and len(fit.points) == 2
+    assert all(p.gemm_flops_per_s == 1e11 and 0 < p.forward_s < p.total_s for p in fit.points)
+    assert math.isfinite(fit.efficiency) and 0 < fit.efficiency <= 10

@@ -3,8 +3,9 @@
 Three rooms, in the order they may import one another (each only the ones before it):
 
 - ``measure.py``  below the strategy. Microbenchmarks on the live process group (GEMMs, all-reduce,
-  operator dispatch, element-wise, AdamW, host copies), their fits (:class:`~.measure.MatmulFit`,
-  ring alpha-beta), :class:`~.measure.WorldShape`, :func:`~.measure.measure` /
+  operator dispatch, element-wise, causal fused attention, AdamW, host copies), their fits
+  (:class:`~.measure.MatmulFit`, ring alpha-beta, :class:`~.measure.AttentionFit`), :class:`~.measure.WorldShape`,
+  :func:`~.measure.measure` /
   :func:`~.measure.measure_cluster`, :func:`~.measure.across_ranks` and the per-host cache. Imports
   torch and the planning core; the strategy imports it.
 - ``probe.py``    above the strategy. Trains a tiny model through FleetStrategy to measure the

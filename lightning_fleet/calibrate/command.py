@@ -19,9 +19,11 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from lightning_fleet.calibrate.measure import MatmulFit, Measurement, WorldShape, measure, save_cache
+from lightning_fleet.calibrate.measure import AttentionFit, MatmulFit, Measurement, WorldShape, measure, save_cache
 from lightning_fleet.calibrate.probe import quiet_output, with_framework_overheads
 from lightning_fleet.planning import ClusterSpec
+from lightning_fleet.planning.cluster import ATTENTION_EFFICIENCY_MAX
+from lightning_fleet.planning.time import FUSED_ATTENTION_BACKWARD
 
 def main(argv: list[str] | None = None) -> None:
     """``python -m lightning_fleet.calibrate.command --out FILE``: measure this machine (alone, or every rank of a
@@ -58,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def summary(measured: Measurement, cluster: ClusterSpec, out: str, seconds: float, *, framework: bool) -> list[str]:
-    """What ``fleet calibrate`` prints: what was measured, the figures written, and where (seven lines)."""
+    """What ``fleet calibrate`` prints: what was measured, the figures written, and where (eight lines)."""
     group = cluster.groups[0]
     c = cluster.calibration
     peaks = ", ".join(_peak_text(fit) for fit in measured.matmul)
@@ -78,9 +80,24 @@ def summary(measured: Measurement, cluster: ClusterSpec, out: str, seconds: floa
         f"  link        {link}",
         f"  operators   dispatch {c.op_overhead_s * 1e6:.3g} us, element-wise {c.elementwise_s * 1e9:.3g} ns per element, "
         f"AdamW {c.adam_params_per_s / 1e6:.3g} M params/s",
+        f"  attention   {_attention_text(measured.attention, c.attention_efficiency)}",
         f"  framework   {probe}",
         f"  written to  {out} (fleet plan --model MODEL --cluster {out})",
     ]
+
+
+def _attention_text(fit: AttentionFit | None, written: float) -> str:
+    """The attention line: the efficiency written, the shapes' spread and backward ratio, and shapes at the bound."""
+    if fit is None:
+        return f"causal scaled_dot_product_attention runs the math path here: efficiency not measured (default {written:g} kept)"
+    low, high = min(fit.efficiencies), max(fit.efficiencies)
+    text = (f"fused kernel at {written:g} x the GEMM rate (causal SDPA, {fit.backend} {fit.precision}, median of "
+            f"{len(fit.points)} shapes {low:.3g}-{high:.3g}); backward {fit.backward_ratio:.3g} x forward (priced "
+            f"{FUSED_ATTENTION_BACKWARD:g})")
+    if fit.capped:
+        text += (f"; {fit.capped} shape(s) at the bound {ATTENTION_EFFICIENCY_MAX:g} "
+                 f"(their softmax, priced element-wise, ~ all their time)")
+    return text
 
 
 def _peak_text(fit: MatmulFit) -> str:

@@ -3,8 +3,9 @@
 World size and node layout come from the launcher; device memory from CUDA (or, on CPU, the
 host's available RAM split across its local ranks); matmul throughput and collective latency and
 bandwidth from short microbenchmarks on the live process group, fitted here (saturating GEMM curve,
-ring all-reduce alpha-beta). The result is cached per host, device kind and world shape, so a
-restart does not measure again.
+ring all-reduce alpha-beta); a fused attention kernel's rate against the GEMMs' from causal
+scaled_dot_product_attention calls (:func:`fit_attention_efficiency`). The result is cached per host, device kind and
+world shape, so a restart does not measure again.
 
 Imports torch and the planning core, never Lightning, DeepSpeed or the strategy. Imported by the
 strategy (to measure a cluster it was not given), by :mod:`lightning_fleet.calibrate.probe` and
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import os
 import socket
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +35,9 @@ from lightning_fleet.planning import (
     PeakTflops,
     cluster_from_dict,
 )
-from lightning_fleet.planning.cluster import GIB
+from lightning_fleet.planning.cluster import ATTENTION_EFFICIENCY_MAX, GIB
+from lightning_fleet.planning.model import AttentionKernel, attention_elementwise, attention_kernel_flops
+from lightning_fleet.planning.time import FUSED_ATTENTION_BACKWARD, achieved_flops_per_s, gemm_dim
 from lightning_fleet.planning.yamlspec import read_yaml
 
 MATMUL_SHAPES = ((32, 32), (128, 32), (64, 64), (256, 64), (128, 128), (512, 128), (256, 256), (1024, 256), (512, 512))
@@ -330,6 +334,147 @@ def _host_copy_GBps(device: torch.device) -> float:
     return src.numel() / _timed(run, 3) / 1e9
 
 
+ATTENTION_CUDA_SHAPES = tuple((16384 // s, 2048 // d, s, d) for d in (64, 128) for s in (1024, 2048, 4096))
+"""(batch, heads, sequence, head dim) of the causal attention calls timed on a GPU: the FlashAttention repository's
+benchmark shapes (benchmarks/benchmark_flash_attention.py: 16k tokens, model width 2048, head dims 64 and 128), the
+sequences 1k-4k of its sweep."""
+ATTENTION_CPU_SHAPES = tuple((2048 // s, 256 // d, s, d) for d in (32, 64) for s in (128, 256, 512))
+"""(batch, heads, sequence, head dim) of the causal attention calls timed on a CPU: 2048 tokens of width 256, head dims
+32 and 64 and sequences 128-512 (the example GPT and benchmarks/vs_presets.py train heads of 32 and 64 at sequence 128);
+about 1.5 s of one core for all six (measured)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AttentionPoint:
+    """One timed causal scaled_dot_product_attention shape, with what the cost model counts for it."""
+
+    shape: tuple[int, int, int, int]
+    """(batch, heads, sequence, head dim) of q, k and v."""
+    forward_s: float
+    """Seconds of one forward call."""
+    total_s: float
+    """Seconds of one forward and its backward (the gradients of q, k and v)."""
+    gemm_flops_per_s: float
+    """The rate the cost model prices this attention's layer GEMMs at (:func:`~lightning_fleet.planning.time.gemm_dim`
+    of a model of width heads x head dim with this batch and sequence, on the fitted curve)."""
+
+    @property
+    def kernel_flops(self) -> float:
+        """Forward FLOPs the kernel executes, as the cost model counts them (causal: half the scores,
+        :func:`~lightning_fleet.planning.model.attention_kernel_flops`)."""
+        b, a, s, d = self.shape
+        return b * attention_kernel_flops(s, a * d, kernel=AttentionKernel.FLASH, causal=True)
+
+    @property
+    def softmax_elements(self) -> float:
+        """Forward elements of the kernel's softmax the cost model prices as memory-bound operators (every score, twice:
+        :func:`~lightning_fleet.planning.model.attention_elementwise`)."""
+        b, a, s, d = self.shape
+        return b * attention_elementwise(s, a * d, a, kernel=AttentionKernel.FLASH)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AttentionFit:
+    """The attention efficiency fitted to the timed shapes, and what the device ran them with."""
+
+    precision: str
+    """fp32 or bf16: the precision of the calls and of the GEMM rate they are compared with."""
+    backend: str
+    """The fused kernel PyTorch chose (``torch._fused_sdp_choice``: FLASH_ATTENTION, EFFICIENT_ATTENTION, ...)."""
+    points: tuple[AttentionPoint, ...]
+    """The timed shapes."""
+    efficiencies: tuple[float, ...]
+    """Each shape's efficiency (:func:`attention_efficiency_of`)."""
+    efficiency: float
+    """Their median: what the cluster file states."""
+    capped: int
+    """How many shapes hit ATTENTION_EFFICIENCY_MAX."""
+
+    @property
+    def backward_ratio(self) -> float:
+        """Median backward over forward time of the shapes (the cost model takes FUSED_ATTENTION_BACKWARD)."""
+        return statistics.median((p.total_s - p.forward_s) / p.forward_s for p in self.points)
+
+
+def attention_efficiency_of(point: AttentionPoint, elementwise_s: float, dispatch_s: float = 0.0) -> float:
+    """The ``attention_efficiency`` under which the cost model prices ``point``'s forward + backward at its measured time.
+
+    The cost model prices a fused kernel's forward at its executed FLOPs over ``efficiency`` x the GEMM rate plus its
+    softmax elements at ``elementwise_s``, and its backward at FUSED_ATTENTION_BACKWARD x the first part plus twice the
+    second (planning/time.py ``forward_s``, ``backward_s``); so, with ``dispatch_s`` of host time per call taken off,
+    efficiency = (1 + FUSED_ATTENTION_BACKWARD) x FLOPs / (rate x (time - 3 x elements x elementwise_s)), at most
+    ATTENTION_EFFICIENCY_MAX (also when the softmax's price alone reaches the measured time: nothing is left to fit)."""
+    measured_s = point.total_s - 2 * dispatch_s
+    kernel_s = max(measured_s - 3.0 * point.softmax_elements * elementwise_s, 0.0)
+    rate = (1.0 + FUSED_ATTENTION_BACKWARD) * point.kernel_flops / point.gemm_flops_per_s
+    return min(rate / kernel_s, ATTENTION_EFFICIENCY_MAX) if kernel_s > 0 else ATTENTION_EFFICIENCY_MAX
+
+
+def fit_attention_efficiency(
+    points: list[AttentionPoint], elementwise_s: float, dispatch_s: float = 0.0, *, precision: str, backend: str
+) -> AttentionFit:
+    """One attention efficiency for all shapes: the median of each one's (:func:`attention_efficiency_of`), robust to a
+    shape the machine ran unusually slowly or fast."""
+    each = tuple(attention_efficiency_of(p, elementwise_s, dispatch_s) for p in points)
+    return AttentionFit(precision=precision, backend=backend, points=tuple(points), efficiencies=each,
+                        efficiency=statistics.median(each), capped=sum(e >= ATTENTION_EFFICIENCY_MAX for e in each))
+
+
+def fused_attention_backend(shape: tuple[int, int, int, int], device: torch.device, dtype: torch.dtype) -> str:
+    """The kernel PyTorch runs for a causal scaled_dot_product_attention of this shape (``torch._fused_sdp_choice``,
+    what profiling asks to decide whether a call is priced as a fused kernel): MATH when none is fused."""
+    from torch.nn.attention import SDPBackend
+
+    q = torch.empty(shape, device=device, dtype=dtype, requires_grad=True)  # as in training: the backward must be fused too
+    return SDPBackend(torch._fused_sdp_choice(q, q, q, is_causal=True)).name
+
+
+def attention_seconds(shape: tuple[int, int, int, int], device: torch.device, dtype: torch.dtype) -> tuple[float, float]:
+    """(forward, forward + backward) median seconds of a causal ``F.scaled_dot_product_attention(q, k, v, is_causal=True)``
+    on [batch, heads, sequence, head dim] tensors, backward being the gradients of q, k and v (~0.2 s of repeats each)."""
+    import torch.nn.functional as F
+
+    q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    grad = torch.randn(shape, device=device, dtype=dtype)
+    sync = _synchronizer(device)
+
+    def forward() -> None:
+        with torch.no_grad():
+            F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        sync()
+
+    def both() -> None:
+        torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, is_causal=True), (q, k, v), grad)
+        sync()
+
+    start = time.perf_counter()
+    both()
+    repeats = max(3, min(50, int(0.15 / max(time.perf_counter() - start, 1e-7))))
+    return _timed(forward, repeats), _timed(both, repeats)
+
+
+def measure_attention(
+    device: torch.device, fit: MatmulFit, half_dim: float, elementwise_s: float, dispatch_s: float = 0.0,
+    shapes: tuple[tuple[int, int, int, int], ...] | None = None,
+) -> AttentionFit | None:
+    """Time causal attention at ``shapes`` (ATTENTION_CUDA_SHAPES / ATTENTION_CPU_SHAPES by device) in ``fit``'s precision
+    and fit the efficiency against that precision's GEMM curve (``half_dim``: the one the cluster keeps), as the cost
+    model will price it; None when PyTorch runs the math path for them (profiling then prices no fused kernel either).
+    Times are the maximum over ranks, so every rank fits the same value."""
+    dtype = torch.bfloat16 if fit.precision == "bf16" else torch.float32
+    shapes = shapes if shapes is not None else ATTENTION_CUDA_SHAPES if device.type == "cuda" else ATTENTION_CPU_SHAPES
+    backend = fused_attention_backend(shapes[0], device, dtype)
+    if backend == "MATH":
+        return None
+    curve = Calibration(matmul_efficiency=1.0, matmul_half_dim=half_dim)
+    points = []
+    for b, a, s, d in shapes:
+        forward, total = (across_ranks(t, device, dist.ReduceOp.MAX) for t in attention_seconds((b, a, s, d), device, dtype))
+        rate = achieved_flops_per_s(fit.peak_flops, gemm_dim(mbs=b, seq_length=s, hidden_size=a * d, tp=1), curve)
+        points.append(AttentionPoint(shape=(b, a, s, d), forward_s=forward, total_s=total, gemm_flops_per_s=rate))
+    return fit_attention_efficiency(points, elementwise_s, dispatch_s, precision=fit.precision, backend=backend)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Measurement:
     """What :func:`measure` found: the cluster to plan with, and the GEMM fits behind its peaks."""
@@ -338,6 +483,8 @@ class Measurement:
     """The measured cluster."""
     matmul: tuple[MatmulFit, ...]
     """The GEMM fit of each precision (fp32, bf16)."""
+    attention: AttentionFit | None = None
+    """The fused attention kernel's fit (None: the device runs causal attention on the math path; the default stays)."""
 
 
 def measure_cluster(device: torch.device, shape: WorldShape, baseline_rss_bytes: float | None = None) -> ClusterSpec:
@@ -346,7 +493,7 @@ def measure_cluster(device: torch.device, shape: WorldShape, baseline_rss_bytes:
 
 
 def measure(device: torch.device, shape: WorldShape, baseline_rss_bytes: float | None = None) -> Measurement:
-    """Microbenchmark the live job (every rank must call this together): the cluster, and the GEMM fits behind it.
+    """Microbenchmark the live job (every rank must call this together): the cluster, and the GEMM and attention fits behind it.
 
     On CPU the memory a training process holds before its model (interpreter, torch, Lightning,
     DeepSpeed) is the runtime reserve: ``baseline_rss_bytes`` when given, else this process' RSS now.
@@ -356,6 +503,9 @@ def measure(device: torch.device, shape: WorldShape, baseline_rss_bytes: float |
     spec, fits = _device_spec(device, shape, dispatch_s)
     half_dim = fits["fp32"].half_dim
     link = _link(device, shape.world_size)
+    per_element_s = float(f"{across_ranks(elementwise_s(device), device, dist.ReduceOp.MAX):.3g}")
+    # the precision the device trains in by default: bf16 on a GPU (its flash kernel takes 16-bit only), fp32 on a CPU
+    attention = measure_attention(device, fits["bf16" if device.type == "cuda" else "fp32"], half_dim, per_element_s, dispatch_s)
     device_adam = across_ranks(adam_params_per_s(device), device)
     host_adam = device_adam if device.type == "cpu" else across_ranks(adam_params_per_s(torch.device("cpu")), device)
     cluster = ClusterSpec(
@@ -369,7 +519,8 @@ def measure(device: torch.device, shape: WorldShape, baseline_rss_bytes: float |
             matmul_half_dim=round(half_dim, 2),
             overlap=0.8 if device.type == "cuda" else 0.0,
             op_overhead_s=dispatch_s,
-            elementwise_s=float(f"{across_ranks(elementwise_s(device), device, dist.ReduceOp.MAX):.3g}"),
+            elementwise_s=per_element_s,
+            attention_efficiency=float(f"{attention.efficiency:.3g}") if attention else Calibration().attention_efficiency,
             adam_params_per_s=float(f"{device_adam:.3g}"),
             # an offloaded optimizer is the user's torch optimizer stepping on host tensors, every local rank at once
             cpu_adam_params_per_s=float(f"{min(host_adam, device_adam):.3g}") * shape.local_world_size,
@@ -377,7 +528,7 @@ def measure(device: torch.device, shape: WorldShape, baseline_rss_bytes: float |
             memory_reserve_gib=round(1.0 if device.type == "cuda" else rss_gib, 3),
         ),
     )
-    return Measurement(cluster=cluster, matmul=tuple(fits.values()))
+    return Measurement(cluster=cluster, matmul=tuple(fits.values()), attention=attention)
 
 
 def cache_path(device: torch.device, shape: WorldShape) -> Path:

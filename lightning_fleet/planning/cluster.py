@@ -39,6 +39,9 @@ from lightning_fleet.planning.yamlspec import (
 )
 
 GIB = 1024**3
+ATTENTION_EFFICIENCY_MAX = 10.0
+"""Largest ``calibration.attention_efficiency`` a cluster file may state (and `fleet calibrate` fits): a fused attention
+kernel ten times faster than the GEMMs of its layer is a measurement or unit error, not a kernel."""
 
 
 class LinkLevel(StrEnum):
@@ -146,9 +149,11 @@ class Calibration:
     in seconds; backward costs twice the forward. 0 (the default): folded into ``matmul_efficiency``."""
     attention_efficiency: float = 0.83
     """A fused attention kernel's rate (FlashAttention / SDPA, forward and backward) as a fraction of the large GEMMs'
-    achieved rate. 0.83: FlashAttention-2 on an A100, causal, head dimension 128, sequence 2k, forward + backward, runs
-    155 TFLOP/s (flash-attention README, assets/flash2_a100_fwd_bwd_benchmark.png, panel d), 0.50 of the 312 peak, against
-    the default ``matmul_efficiency`` 0.6 (0.50 / 0.6 = 0.83)."""
+    achieved rate, at most ATTENTION_EFFICIENCY_MAX. 0.83: FlashAttention-2 on an A100, causal, head dimension 128,
+    sequence 2k, forward + backward, runs 155 TFLOP/s (flash-attention README, assets/flash2_a100_fwd_bwd_benchmark.png,
+    panel d), 0.50 of the 312 peak, against the default ``matmul_efficiency`` 0.6 (0.50 / 0.6 = 0.83). `fleet calibrate`
+    measures it: causal scaled_dot_product_attention timed against the layer GEMMs' fitted rate, net of the kernel's
+    softmax elements the cost model prices at ``elementwise_s`` (so above 1 where those are priced high)."""
     zero_step_overhead_s: tuple[float, ...] = ()
     """Extra framework time per optimizer step at ZeRO stage 0, 1, 2, 3 (four values, or empty for none), in seconds."""
     zero_tensor_overhead_s: tuple[float, ...] = ()
@@ -206,6 +211,11 @@ class Calibration:
         for name in ("matmul_efficiency", "overlap", "memory_reserve_fraction"):
             if getattr(self, name) > 1:
                 raise SpecError(f"calibration.{name} is a fraction and must be <= 1, got {getattr(self, name)}")
+        if self.attention_efficiency > ATTENTION_EFFICIENCY_MAX:
+            raise SpecError(
+                f"calibration.attention_efficiency is a fused attention kernel's rate over the GEMMs' and must be <= "
+                f"{ATTENTION_EFFICIENCY_MAX:g}, got {self.attention_efficiency}: measure it with fleet calibrate or leave it out"
+            )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
