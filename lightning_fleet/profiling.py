@@ -839,9 +839,10 @@ class _FusedAttention(TorchFunctionMode):
         tensors = [t for t in (q, k, v, mask) if isinstance(t, torch.Tensor)]
         if tensors and not any(t.is_meta for t in tensors):  # the real method: the profiling device's own kernel runs
             self.device[tensors[0].device.type] += 1
-            self.recorder.add_elementwise(_softmax_elements(q, k))
             if _device_runs_fused(*args, **kwargs):
                 self.recorder.add_attention(*_fused_attention_flops(q, k, v, mask, is_causal))
+            else:
+                self.recorder.add_elementwise(_softmax_elements(q, k))
             return _SDPA(*args, **kwargs)
         if not all(t.is_meta for t in tensors):  # real tensors meeting meta ones become meta (as in _MetaFixups)
             args, kwargs = pytree.tree_map_only(torch.Tensor, _meta, (args, kwargs))
@@ -856,7 +857,6 @@ class _FusedAttention(TorchFunctionMode):
                 got, want = f"{out.dtype}{list(out.shape)}", f"{expected.dtype}{list(expected.shape)}"
                 raise RuntimeError(f"the {kernel} attention kernel gave {got}, scaled_dot_product_attention {want}")
             self.fused[kernel] += 1
-            self.recorder.add_elementwise(_softmax_elements(q, k))
             self.recorder.add_attention(*_fused_attention_flops(q, k, v, mask, is_causal))
             return out
         self.math[reason] += 1
@@ -899,10 +899,9 @@ def _device_runs_fused(*args: Any, **kwargs: Any) -> bool:
 
 
 def _softmax_elements(q: torch.Tensor, k: torch.Tensor) -> int:
-    """The non-matmul work of a fused attention kernel, as memory-bound elements: two per score (its exponential and
-    its online-softmax rescaling). The kernel stores no scores but still computes them all (FlashAttention-2, Dao 2023,
-    Sec. 3.1: non-matmul FLOPs are the kernel's bottleneck); the math path counts its mask add and softmax, the same
-    two per score, so both kernels cost the same time until the time model prices an attention kernel's own rate."""
+    """The mask add and softmax of a scaled_dot_product_attention the device runs unfused, as memory-bound elements: two
+    per score. A fused kernel's softmax is not counted here: it runs inside the kernel (FlashAttention-2, Dao 2023,
+    Sec. 3.1), whose whole time the cost model prices at the kernel's own measured rate (``attention_efficiency``)."""
     return 2 * q.shape[:-1].numel() * k.shape[-2]
 
 

@@ -127,14 +127,14 @@ def test_flop_terms_by_hand() -> None:
 
 
 def test_elementwise_terms_by_hand() -> None:
-    """math attention: Q and K scaling, the K/V repeat under GQA, mask and softmax over a*s^2; flash: the softmax over
-    a*s^2 only (the kernel computes every score, it stores none); rope on Q and K."""
+    """math attention: Q and K scaling, the K/V repeat under GQA, mask and softmax over a*s^2; flash: none (the kernel
+    scales, repeats and computes its softmax inside, priced at its own rate); rope on Q and K."""
     assert attention_elementwise(S, H, A, kv_dim=KV) == 1024 + 512 + 2048 + 2 * 4 * 256 == 5632
     assert attention_elementwise(S, H, A) == 1024 + 1024 + 2048 == 4096
-    assert attention_elementwise(S, H, A, kv_dim=KV, kernel=FLASH) == 2 * 4 * 256 == 2048
+    assert attention_elementwise(S, H, A, kv_dim=KV, kernel=FLASH) == 0
     assert rope_elementwise(S, H, KV) == 1024 + 512
     assert (mlp_elementwise(S, F), mlp_elementwise(S, F, SWIGLU)) == (1536, 3072)
-    assert layer_elementwise(S, H, F, A, kv_dim=KV, ffn_kind=SWIGLU, kernel=FLASH, position=ROPE) == 5 * 1024 + 2048 + 1536 + 3072
+    assert layer_elementwise(S, H, F, A, kv_dim=KV, ffn_kind=SWIGLU, kernel=FLASH, position=ROPE) == 5 * 1024 + 1536 + 3072
     assert (embedding_elementwise(S, H), embedding_elementwise(S, H, ROPE)) == (2048, 1024)
 
 

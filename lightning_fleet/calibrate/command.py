@@ -96,7 +96,7 @@ def _attention_text(fit: AttentionFit | None, written: float) -> str:
             f"{FUSED_ATTENTION_BACKWARD:g})")
     if fit.capped:
         text += (f"; {fit.capped} shape(s) at the bound {ATTENTION_EFFICIENCY_MAX:g} "
-                 f"(their softmax, priced element-wise, ~ all their time)")
+                 f"(measured faster than the bound allows)")
     return text
 
 

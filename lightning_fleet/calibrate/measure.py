@@ -36,7 +36,7 @@ from lightning_fleet.planning import (
     cluster_from_dict,
 )
 from lightning_fleet.planning.cluster import ATTENTION_EFFICIENCY_MAX, GIB
-from lightning_fleet.planning.model import AttentionKernel, attention_elementwise, attention_kernel_flops
+from lightning_fleet.planning.model import AttentionKernel, attention_kernel_flops
 from lightning_fleet.planning.time import FUSED_ATTENTION_BACKWARD, achieved_flops_per_s, gemm_dim
 from lightning_fleet.planning.yamlspec import read_yaml
 
@@ -365,13 +365,6 @@ class AttentionPoint:
         b, a, s, d = self.shape
         return b * attention_kernel_flops(s, a * d, kernel=AttentionKernel.FLASH, causal=True)
 
-    @property
-    def softmax_elements(self) -> float:
-        """Forward elements of the kernel's softmax the cost model prices as memory-bound operators (every score, twice:
-        :func:`~lightning_fleet.planning.model.attention_elementwise`)."""
-        b, a, s, d = self.shape
-        return b * attention_elementwise(s, a * d, a, kernel=AttentionKernel.FLASH)
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class AttentionFit:
@@ -396,26 +389,25 @@ class AttentionFit:
         return statistics.median((p.total_s - p.forward_s) / p.forward_s for p in self.points)
 
 
-def attention_efficiency_of(point: AttentionPoint, elementwise_s: float, dispatch_s: float = 0.0) -> float:
+def attention_efficiency_of(point: AttentionPoint, dispatch_s: float = 0.0) -> float:
     """The ``attention_efficiency`` under which the cost model prices ``point``'s forward + backward at its measured time.
 
-    The cost model prices a fused kernel's forward at its executed FLOPs over ``efficiency`` x the GEMM rate plus its
-    softmax elements at ``elementwise_s``, and its backward at FUSED_ATTENTION_BACKWARD x the first part plus twice the
-    second (planning/time.py ``forward_s``, ``backward_s``); so, with ``dispatch_s`` of host time per call taken off,
-    efficiency = (1 + FUSED_ATTENTION_BACKWARD) x FLOPs / (rate x (time - 3 x elements x elementwise_s)), at most
-    ATTENTION_EFFICIENCY_MAX (also when the softmax's price alone reaches the measured time: nothing is left to fit)."""
-    measured_s = point.total_s - 2 * dispatch_s
-    kernel_s = max(measured_s - 3.0 * point.softmax_elements * elementwise_s, 0.0)
+    The cost model prices a fused kernel's forward, softmax included, at its executed FLOPs over ``efficiency`` x the
+    GEMM rate, and its backward at FUSED_ATTENTION_BACKWARD x that (planning/time.py ``forward_s``, ``backward_s``;
+    no memory-bound elements: planning/model.py ``attention_elementwise``); so, with ``dispatch_s`` of host time per
+    call taken off, efficiency = (1 + FUSED_ATTENTION_BACKWARD) x FLOPs / (rate x time), at most
+    ATTENTION_EFFICIENCY_MAX (also when the dispatch alone reaches the measured time: nothing is left to fit)."""
+    kernel_s = max(point.total_s - 2 * dispatch_s, 0.0)
     rate = (1.0 + FUSED_ATTENTION_BACKWARD) * point.kernel_flops / point.gemm_flops_per_s
     return min(rate / kernel_s, ATTENTION_EFFICIENCY_MAX) if kernel_s > 0 else ATTENTION_EFFICIENCY_MAX
 
 
 def fit_attention_efficiency(
-    points: list[AttentionPoint], elementwise_s: float, dispatch_s: float = 0.0, *, precision: str, backend: str
+    points: list[AttentionPoint], dispatch_s: float = 0.0, *, precision: str, backend: str
 ) -> AttentionFit:
     """One attention efficiency for all shapes: the median of each one's (:func:`attention_efficiency_of`), robust to a
     shape the machine ran unusually slowly or fast."""
-    each = tuple(attention_efficiency_of(p, elementwise_s, dispatch_s) for p in points)
+    each = tuple(attention_efficiency_of(p, dispatch_s) for p in points)
     return AttentionFit(precision=precision, backend=backend, points=tuple(points), efficiencies=each,
                         efficiency=statistics.median(each), capped=sum(e >= ATTENTION_EFFICIENCY_MAX for e in each))
 
@@ -454,7 +446,7 @@ def attention_seconds(shape: tuple[int, int, int, int], device: torch.device, dt
 
 
 def measure_attention(
-    device: torch.device, fit: MatmulFit, half_dim: float, elementwise_s: float, dispatch_s: float = 0.0,
+    device: torch.device, fit: MatmulFit, half_dim: float, dispatch_s: float = 0.0,
     shapes: tuple[tuple[int, int, int, int], ...] | None = None,
 ) -> AttentionFit | None:
     """Time causal attention at ``shapes`` (ATTENTION_CUDA_SHAPES / ATTENTION_CPU_SHAPES by device) in ``fit``'s precision
@@ -472,7 +464,7 @@ def measure_attention(
         forward, total = (across_ranks(t, device, dist.ReduceOp.MAX) for t in attention_seconds((b, a, s, d), device, dtype))
         rate = achieved_flops_per_s(fit.peak_flops, gemm_dim(mbs=b, seq_length=s, hidden_size=a * d, tp=1), curve)
         points.append(AttentionPoint(shape=(b, a, s, d), forward_s=forward, total_s=total, gemm_flops_per_s=rate))
-    return fit_attention_efficiency(points, elementwise_s, dispatch_s, precision=fit.precision, backend=backend)
+    return fit_attention_efficiency(points, dispatch_s, precision=fit.precision, backend=backend)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -505,7 +497,7 @@ def measure(device: torch.device, shape: WorldShape, baseline_rss_bytes: float |
     link = _link(device, shape.world_size)
     per_element_s = float(f"{across_ranks(elementwise_s(device), device, dist.ReduceOp.MAX):.3g}")
     # the precision the device trains in by default: bf16 on a GPU (its flash kernel takes 16-bit only), fp32 on a CPU
-    attention = measure_attention(device, fits["bf16" if device.type == "cuda" else "fp32"], half_dim, per_element_s, dispatch_s)
+    attention = measure_attention(device, fits["bf16" if device.type == "cuda" else "fp32"], half_dim, dispatch_s)
     device_adam = across_ranks(adam_params_per_s(device), device)
     host_adam = device_adam if device.type == "cpu" else across_ranks(adam_params_per_s(torch.device("cpu")), device)
     cluster = ClusterSpec(

@@ -645,11 +645,12 @@ def attention_elementwise(
 ) -> float:
     """Output elements of the attention core's operators that do no matmul. math: Q and K scaling (s*h + s*kv_dim), K and V
     repeated to all a heads under GQA (2*s*h, Megatron-LM DotProductAttention's repeat_interleave), causal mask and softmax
-    over the scores (2*a*s^2). flash: the fused kernel scales and repeats inside, stores no scores, but still computes
-    the softmax of every score (FlashAttention-2, Dao 2023, Sec. 3.1: non-matmul FLOPs), priced as the same 2*a*s^2
-    elements (what profiling counts for a fused scaled_dot_product_attention)."""
+    over the scores (2*a*s^2). flash: none: the fused kernel scales, repeats and computes the softmax of every score
+    inside (FlashAttention-2, Dao 2023, Sec. 3.1), and its whole time is priced at the kernel's own rate
+    (``calibration.attention_efficiency``, measured by ``fleet calibrate`` with the softmax in it), as profiling prices
+    a fused scaled_dot_product_attention."""
     if kernel is AttentionKernel.FLASH:
-        return 2.0 * a * s * s
+        return 0.0
     kv = h if kv_dim is None else kv_dim
     repeat = 2.0 * s * h if kv < h else 0.0
     return s * h + s * kv + repeat + 2.0 * a * s * s
