@@ -1477,7 +1477,8 @@ def _attention_notes(fused: Counter[str], math_path: Counter[str], device: Count
         notes.append(
             f"attention: {sum(fused.values())} scaled_dot_product_attention call(s) priced as the fused kernel a GPU runs "
             f"({kernels}): q, k, v, the output and an fp32 logsumexp per head and query kept for backward, no s x s scores; "
-            "FLOPs 4*s^2*d per head, causal masks not halved (attention_kernel='math' prices the math path)"
+            "model FLOPs 4*s^2*d per head (the published convention), of which the kernel executes half under is_causal "
+            "without a mask, at its own rate (calibration.attention_efficiency; attention_kernel='math' prices the math path)"
         )
     if math_path:
         reasons = "; ".join(f"{reason} x{n}" for reason, n in sorted(math_path.items()))
