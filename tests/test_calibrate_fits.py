@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_fleet.calibrate.measure import fit_alpha_beta, fit_saturation, least_squares_line
+from lightning_fleet.calibrate.measure import fit_alpha_beta, fit_link, fit_saturation, least_squares_line
 
 
 @pytest.mark.pure
@@ -61,6 +61,47 @@ def test_fit_alpha_beta_recovers_the_ring_model() -> None:
     assert fitted == pytest.approx((alpha, beta), rel=1e-6)
 
 
+@pytest.mark.pure
+def test_fit_alpha_beta_of_a_one_pass_collective() -> None:
+    """rounds=1, the all-gather / reduce-scatter ring formula: t = (n-1) a + (n-1)/n B b with n = 2, a = 200 us,
+    b = 5e-9 s/B (0.2 GB/s): 200 us + 0.5 B * 5e-9."""
+    points = [(b, 200e-6 + 0.5 * b * 5e-9) for b in (4096, 65536, 1 << 20, 8 << 20)]
+    assert fit_alpha_beta(points, 2, rounds=1) == pytest.approx((200e-6, 5e-9), rel=1e-6)
+    assert fit_alpha_beta(points, 2) == pytest.approx((100e-6, 2.5e-9), rel=1e-6)  # read as an all-reduce: half of each
+
+
+@pytest.mark.pure
+def test_fit_link_fits_each_collective_by_its_own_ring_formula() -> None:
+    """Timings shaped like gloo's on this box at n = 2 (the lead's /tmp/gx/coll.py: 64 MiB all-reduce 51.6 ms,
+    reduce-scatter 86.9 ms, all-gather 67.7 ms), written as exact ring formulas:
+    all-reduce     2(n-1) a + 2(n-1)/n B b = 2 * 150 us + B / 1.3 GB/s          -> 1.3 GB/s, 150 us
+    all-gather      (n-1) a +  (n-1)/n B b =     90 us + 0.5 B / 1.0 GB/s         -> 1.0 GB/s,  90 us
+    reduce-scatter  (n-1) a +  (n-1)/n B b =    400 us + 0.5 B / 0.39 GB/s        -> 0.39 GB/s, 400 us
+    so the reduce-scatter of a large tensor costs (0.5 / 0.39) / (1 / 1.3) = 1.67 x the all-reduce (the ring model: 0.5)."""
+    sizes = (4096, 65536, 1 << 20, 8 << 20)
+    points = {
+        "all_reduce": [(b, 2 * 150e-6 + b / 1.3e9) for b in sizes],
+        "all_gather": [(b, 90e-6 + 0.5 * b / 1.0e9) for b in sizes],
+        "reduce_scatter": [(b, 400e-6 + 0.5 * b / 0.39e9) for b in sizes],
+    }
+    link = fit_link(points, 2)
+    assert (link.bandwidth_GBps, link.latency_us) == (1.3, 150.0)
+    assert (link.allgather_GBps, link.allgather_latency_us) == (1.0, 90.0)
+    assert (link.reduce_scatter_GBps, link.reduce_scatter_latency_us) == (0.39, 400.0)
+
+
+@pytest.mark.pure
+def test_fit_link_of_a_ring_world_states_the_ring_numbers() -> None:
+    """Collectives that run exactly at their ring share (n = 4: all-gather = reduce-scatter = half the all-reduce's
+    bandwidth term and latency) fit the link's own bandwidth and latency for all three: 25 GB/s, 10 us."""
+    sizes = (4096, 65536, 1 << 20, 8 << 20)
+    ring = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}
+    points = {kind: [(b, r * 3 * 10e-6 + r * 3 / 4 * b / 25e9) for b in sizes] for kind, r in ring.items()}
+    link = fit_link(points, 4)
+    assert link.bandwidth_GBps == link.allgather_GBps == link.reduce_scatter_GBps == 25.0
+    assert link.latency_us == link.allgather_latency_us == link.reduce_scatter_latency_us == 10.0
+
+
 @pytest.mark.multiprocess
 def test_fleet_calibrate_writes_a_cluster_for_two_processes(tmp_path):
     """`fleet calibrate --nproc-per-node 2` measures under torchrun (gloo, 127.0.0.1) and writes a cluster file the planner
@@ -83,6 +124,8 @@ def test_fleet_calibrate_writes_a_cluster_for_two_processes(tmp_path):
     cluster = load_cluster(str(out))
     c = cluster.calibration
     assert cluster.world_size == 2 and cluster.intra_node.latency_us > 0
+    # each collective's own fit, printed on the link line (gloo's reduce-scatter is no half all-reduce)
+    assert cluster.intra_node.allgather_GBps and cluster.intra_node.reduce_scatter_GBps and "reduce-scatter" in lines[3]
     assert len(c.zero_step_overhead_s) == 4 and len(c.zero_tensor_overhead_s) == 4
     assert c.zero_tensor_overhead_s[3] > 0  # ZeRO-3's gathers cost time per tensor
     assert c.adam_params_per_s > 0 and c.op_overhead_s > 0 and c.memory_reserve_gib > 0.1

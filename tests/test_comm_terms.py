@@ -119,3 +119,116 @@ def test_axis_level(plan: Plan, devices_per_node: int, levels: dict[Axis, LinkLe
     """An axis runs intra-node when stride * degree <= devices_per_node (its group's consecutive ranks fit one node)."""
     for axis, level in levels.items():
         assert axis_level(plan, axis, devices_per_node) is level, axis
+
+
+# A link with its own all-gather and reduce-scatter fits (what `fleet calibrate` writes on gloo, where a reduce-scatter
+# takes ~1.7x an all-reduce of the same tensor): alpha 5 us / beta 1e-11 for the all-reduce, all-gather 50 GB/s + 8 us,
+# reduce-scatter 20 GB/s + 40 us.
+FITTED = LinkSpec(bandwidth_GBps=100, latency_us=5, allgather_GBps=50, allgather_latency_us=8,
+                  reduce_scatter_GBps=20, reduce_scatter_latency_us=40)
+
+
+@pytest.mark.parametrize(
+    ("fn", "expected"),
+    [
+        (allreduce_s, 2 * 7 * 5e-6 + 2 * 7 / 8 * 1e9 / 100e9),  # the link's own: 0.01757, unchanged by the other fits
+        (allgather_s, 7 * 8e-6 + 7 / 8 * 1e9 / 50e9),  # 5.6e-5 + 0.0175 = 0.017556
+        (reduce_scatter_s, 7 * 40e-6 + 7 / 8 * 1e9 / 20e9),  # 2.8e-4 + 0.04375 = 0.04403
+    ],
+)
+def test_a_link_prices_each_collective_at_its_own_fit(fn, expected: float) -> None:
+    """The ring formula of each collective (Thakur 2005) keeps its shape, at that collective's fitted alpha and beta."""
+    assert fn(GB, 8, FITTED) == pytest.approx(expected, rel=REL)
+
+
+def test_fits_left_out_are_exactly_the_ring_model() -> None:
+    """None (the default) prices the all-gather and reduce-scatter from the link's bandwidth and latency, bit for bit as
+    before the fits existed: (n-1) alpha + (n-1)/n * bytes * beta with alpha 5e-6, beta 1e-11."""
+    for n, nbytes in ((8, GB), (2, 3e6), (64, 7.5e8)):
+        ring = (n - 1) * 5e-6 + (n - 1) / n * nbytes * (1.0 / (100 * 1e9))
+        assert allgather_s(nbytes, n, LINK) == ring
+        assert reduce_scatter_s(nbytes, n, LINK) == ring
+
+
+def test_a_bandwidth_fit_alone_keeps_the_links_latency() -> None:
+    """reduce_scatter_GBps without its latency: (n-1) * the link's 5 us + (n-1)/n * bytes / 20 GB/s."""
+    link = LinkSpec(bandwidth_GBps=100, latency_us=5, reduce_scatter_GBps=20)
+    assert reduce_scatter_s(GB, 4, link) == pytest.approx(3 * 5e-6 + 3 / 4 * 1e9 / 20e9, rel=REL)  # 1.5e-5 + 0.0375
+    assert allgather_s(GB, 4, link) == pytest.approx(3 * 5e-6 + 3 / 4 * 1e9 / 100e9, rel=REL)  # the ring model's
+
+
+def test_fastest_with_takes_each_collectives_faster_fit() -> None:
+    """The lower bound over placements (estimate.Hardware.with_fastest_links) is at least as fast as either link for every
+    collective: a fit stated on one link is compared with the other's ring numbers."""
+    slow = LinkSpec(bandwidth_GBps=25, latency_us=10, reduce_scatter_GBps=5, reduce_scatter_latency_us=50)
+    best = FITTED.fastest_with(slow)
+    assert best == LinkSpec(bandwidth_GBps=100, latency_us=5, allgather_GBps=50, allgather_latency_us=8,
+                            reduce_scatter_GBps=20, reduce_scatter_latency_us=40)
+    # all-gather: FITTED's 50 GB/s + 8 us beat slow's ring 25 GB/s + 10 us; a link without fits keeps its ring numbers
+    assert LinkSpec(bandwidth_GBps=100, latency_us=5).fastest_with(slow).reduce_scatter_GBps == 100  # 100 > 5
+    assert LINK.fastest_with(LinkSpec(bandwidth_GBps=25, latency_us=10)) == LINK  # no fits: none appear
+    for fn in (allreduce_s, allgather_s, reduce_scatter_s):
+        assert fn(GB, 8, best) <= min(fn(GB, 8, FITTED), fn(GB, 8, slow))
+
+
+def test_link_yaml_round_trip_writes_only_the_fits_stated() -> None:
+    """A link's mapping leaves fits that are None out (existing cluster files dump byte for byte as before) and reads back
+    equal."""
+    from lightning_fleet.planning.yamlspec import from_mapping
+
+    assert LINK.to_dict() == {"bandwidth_GBps": 100, "latency_us": 5}
+    partial = LinkSpec(bandwidth_GBps=0.6, latency_us=95.5, reduce_scatter_GBps=0.18)
+    assert partial.to_dict() == {"bandwidth_GBps": 0.6, "latency_us": 95.5, "reduce_scatter_GBps": 0.18}
+    for link in (LINK, partial, FITTED):
+        assert from_mapping(LinkSpec, link.to_dict(), "link") == link
+
+
+def test_cluster_file_with_fits_round_trips(tmp_path) -> None:
+    """A cluster file whose intra-node link states both fits loads, dumps them, and loads back equal; the inter-node link
+    without fits dumps just its two keys."""
+    import yaml
+
+    from lightning_fleet.planning.cluster import cluster_from_dict, load_cluster
+
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "name: box\nnodes: 1\ndevices_per_node: 2\n"
+        "device: {name: cpu, memory_gib: 8, peak_tflops: {bf16: 0.1, fp16: 0.1, fp32: 0.1}}\n"
+        "intra_node: {bandwidth_GBps: 0.65, latency_us: 120, allgather_GBps: 0.31, allgather_latency_us: 80,\n"
+        "             reduce_scatter_GBps: 0.19, reduce_scatter_latency_us: 300}\n"
+        "inter_node: {bandwidth_GBps: 0.65, latency_us: 120}\n"
+    )
+    cluster = load_cluster(path)
+    assert (cluster.intra_node.allgather_GBps, cluster.intra_node.reduce_scatter_latency_us) == (0.31, 300)
+    data = yaml.safe_load(cluster.to_yaml())
+    assert data["inter_node"] == {"bandwidth_GBps": 0.65, "latency_us": 120}
+    assert data["intra_node"]["reduce_scatter_GBps"] == 0.19
+    assert cluster_from_dict(data) == cluster
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ("reduce_scatter_GBps: 0", "link.reduce_scatter_GBps must be > 0 GB/s or left out (the ring model from bandwidth_GBps), got 0"),
+        ("allgather_GBps: -1.5", "link.allgather_GBps must be > 0 GB/s or left out (the ring model from bandwidth_GBps), got -1.5"),
+        ("allgather_latency_us: -3", "link.allgather_latency_us must be >= 0 us or left out (the link's latency_us), got -3"),
+        ("reduce_scatter_GBps: fast", "cluster file 'c.yaml'.intra_node.reduce_scatter_GBps must be a number, got 'fast'"),
+        ("all_to_all_GBps: 3", "unknown key 'all_to_all_GBps' in cluster file 'c.yaml'.intra_node"),
+    ],
+)
+def test_bad_fit_is_one_line(tmp_path, extra: str, message: str) -> None:
+    """A bad per-collective fit in a cluster file is one SpecError line naming the key and what to write instead."""
+    from lightning_fleet.planning import SpecError
+    from lightning_fleet.planning.cluster import load_cluster
+
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "name: box\nnodes: 1\ndevices_per_node: 2\n"
+        "device: {name: cpu, memory_gib: 8, peak_tflops: {bf16: 0.1, fp16: 0.1, fp32: 0.1}}\n"
+        f"intra_node: {{bandwidth_GBps: 0.65, latency_us: 120, {extra}}}\n"
+        "inter_node: {bandwidth_GBps: 0.65, latency_us: 120}\n"
+    )
+    with pytest.raises(SpecError) as err:
+        load_cluster(path)
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)

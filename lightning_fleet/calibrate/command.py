@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from lightning_fleet.calibrate.measure import AttentionFit, MatmulFit, Measurement, WorldShape, measure, save_cache
 from lightning_fleet.calibrate.probe import quiet_output, with_framework_overheads
-from lightning_fleet.planning import ClusterSpec
+from lightning_fleet.planning import ClusterSpec, LinkSpec
 from lightning_fleet.planning.cluster import ATTENTION_EFFICIENCY_MAX
 from lightning_fleet.planning.time import FUSED_ATTENTION_BACKWARD
 
@@ -64,10 +64,7 @@ def summary(measured: Measurement, cluster: ClusterSpec, out: str, seconds: floa
     group = cluster.groups[0]
     c = cluster.calibration
     peaks = ", ".join(_peak_text(fit) for fit in measured.matmul)
-    link = (
-        f"all-reduce latency {cluster.intra_node.latency_us:g} us, bandwidth {cluster.intra_node.bandwidth_GBps:g} GB/s"
-        if cluster.world_size > 1 else "one process: no collective to measure"
-    )
+    link = _link_text(cluster.intra_node) if cluster.world_size > 1 else "one process: no collective to measure"
     probe = (
         f"{c.step_overhead_s * 1e3:.3g} ms per step, {c.microbatch_overhead_s * 1e3:.3g} ms per micro-batch "
         f"(a probe trained through FleetStrategy at ZeRO 0-3)" if framework else "not measured (--no-framework)"
@@ -84,6 +81,16 @@ def summary(measured: Measurement, cluster: ClusterSpec, out: str, seconds: floa
         f"  framework   {probe}",
         f"  written to  {out} (fleet plan --model MODEL --cluster {out})",
     ]
+
+
+def _link_text(link: LinkSpec) -> str:
+    """The link line: each collective's ring-model fit, and the large-tensor time of the all-gather and the
+    reduce-scatter as a fraction of an all-reduce's (the ring model says 0.5)."""
+    ag_GBps, rs_GBps = (1e-9 / beta for beta in (link.allgather_beta_s_per_byte, link.reduce_scatter_beta_s_per_byte))
+    ag_us, rs_us = (alpha * 1e6 for alpha in (link.allgather_alpha_s, link.reduce_scatter_alpha_s))
+    return (f"all-reduce {link.bandwidth_GBps:.4g} GB/s + {link.latency_us:.4g} us; all-gather {ag_GBps:.4g} GB/s + "
+            f"{ag_us:.4g} us ({link.bandwidth_GBps / ag_GBps / 2:.2f} x an all-reduce); reduce-scatter {rs_GBps:.4g} GB/s + "
+            f"{rs_us:.4g} us ({link.bandwidth_GBps / rs_GBps / 2:.2f} x; ring model 0.50)")
 
 
 def _attention_text(fit: AttentionFit | None, written: float) -> str:

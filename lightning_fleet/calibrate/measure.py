@@ -2,9 +2,10 @@
 
 World size and node layout come from the launcher; device memory from CUDA (or, on CPU, the
 host's available RAM split across its local ranks); matmul throughput and collective latency and
-bandwidth from short microbenchmarks on the live process group, fitted here (saturating GEMM curve,
-ring all-reduce alpha-beta); a fused attention kernel's rate against the GEMMs' from causal
-scaled_dot_product_attention calls (:func:`fit_attention_efficiency`). The result is cached per host, device kind and
+bandwidth from short microbenchmarks on the live process group, fitted here (saturating GEMM curve;
+ring alpha-beta of the all-reduce, and of the all-gather and the reduce-scatter each on its own: :func:`fit_link`);
+a fused attention kernel's rate against the GEMMs' from causal scaled_dot_product_attention calls
+(:func:`fit_attention_efficiency`). The result is cached per host, device kind and
 world shape, so a restart does not measure again.
 
 Imports torch and the planning core, never Lightning, DeepSpeed or the strategy. Imported by the
@@ -49,8 +50,12 @@ MATMUL_STILL_RISING = 1.05
 """A larger GEMM counts as still rising when it runs at least this factor faster than every smaller one."""
 MATMUL_LONGEST_S = 1.0
 """No GEMM is measured whose one call would take longer than this at the rate of the last one (each is run >= 7 times)."""
-ALLREDUCE_BYTES = (4096, 65536, 1024 * 1024, 8 * 1024 * 1024)
-"""All-reduce message sizes whose times fit the ring model's latency and bandwidth."""
+COLLECTIVE_BYTES = (4096, 65536, 1024 * 1024, 8 * 1024 * 1024)
+"""Message sizes (the whole tensor) of the all-reduces, all-gathers and reduce-scatters whose times fit each collective's
+ring-model latency and bandwidth."""
+RING_ROUNDS = {"all_reduce": 2, "all_gather": 1, "reduce_scatter": 1}
+"""Each collective timed, and the passes over the ring its formula makes (Thakur et al. 2005: an all-reduce is a
+reduce-scatter then an all-gather, 2(n-1) a + 2(n-1)/n B b; each of those alone is (n-1) a + (n-1)/n B b)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -153,12 +158,36 @@ def fit_matmul(precision: str, points: list[tuple[float, float]]) -> MatmulFit:
     return MatmulFit(precision=precision, points=tuple(points), peak_flops=peak, half_dim=half, unbounded_peak_flops=free_peak)
 
 
-def fit_alpha_beta(points: list[tuple[float, float]], n: int) -> tuple[float, float]:
-    """Fit the ring all-reduce t = 2(n-1) a + 2(n-1)/n * B * b to (bytes, seconds) points; returns (alpha_s, beta_s_per_byte)."""
+def fit_alpha_beta(points: list[tuple[float, float]], n: int, rounds: int = 2) -> tuple[float, float]:
+    """Fit the ring formula t = rounds (n-1) a + rounds (n-1)/n * B * b to (bytes, seconds) points (``rounds`` 2: the
+    all-reduce; 1: the all-gather or the reduce-scatter, RING_ROUNDS); returns (alpha_s, beta_s_per_byte)."""
     intercept, slope = least_squares_line([float(b) for b, _ in points], [t for _, t in points])
-    beta = max(slope / (2 * (n - 1) / n), 1e-12)
-    alpha = max(intercept / (2 * (n - 1)), 0.0)
+    beta = max(slope / (rounds * (n - 1) / n), 1e-12)
+    alpha = max(intercept / (rounds * (n - 1)), 0.0)
     return alpha, beta
+
+
+def fit_link(points: dict[str, list[tuple[float, float]]], n: int) -> LinkSpec:
+    """The link whose ring formulas give each collective's measured (bytes, seconds) ``points`` on ``n`` processes: the
+    all-reduce's fit as the link's bandwidth and latency, the all-gather's and the reduce-scatter's as their own
+    (:class:`~lightning_fleet.planning.cluster.LinkSpec`); GB/s to 4 decimals, microseconds to 2."""
+    fits = {kind: fit_alpha_beta(points[kind], n, rounds) for kind, rounds in RING_ROUNDS.items()}
+    (ar_alpha, ar_beta), (ag_alpha, ag_beta), (rs_alpha, rs_beta) = (fits[kind] for kind in RING_ROUNDS)
+    return LinkSpec(
+        bandwidth_GBps=_GBps(ar_beta), latency_us=_us(ar_alpha),
+        allgather_GBps=_GBps(ag_beta), allgather_latency_us=_us(ag_alpha),
+        reduce_scatter_GBps=_GBps(rs_beta), reduce_scatter_latency_us=_us(rs_alpha),
+    )
+
+
+def _GBps(beta_s_per_byte: float) -> float:
+    """GB/s of a fitted beta, as written to the cluster file."""
+    return round(1 / beta_s_per_byte / 1e9, 4)
+
+
+def _us(alpha_s: float) -> float:
+    """Microseconds of a fitted alpha, as written to the cluster file."""
+    return round(alpha_s * 1e6, 2)
 
 
 def _synchronizer(device: torch.device):  # type: ignore[no-untyped-def]
@@ -196,21 +225,45 @@ def matmul_rate(tokens: int, width: int, device: torch.device, dtype: torch.dtyp
     return 2 * tokens * width * width / max(seconds - dispatch_s, seconds / 10)
 
 
-def allreduce_seconds(nbytes: int, device: torch.device) -> float:
-    """Mean time of an all-reduce of ``nbytes`` on the default process group.
+def collective_seconds(kind: str, nbytes: int, device: torch.device) -> float:
+    """Mean time of one collective (a RING_ROUNDS key) over a tensor of ``nbytes`` in all on the default process group,
+    by the calls DeepSpeed makes: ``all_reduce`` (its ZeRO-0 gradients, and ZeRO-1/2's too: stage_1_and_2.py reduces
+    each bucket with ``dist.all_reduce``), ``all_gather_into_tensor`` (ZeRO-1/2's updated weights,
+    ``all_gather_into_tensor_dp_groups`` in runtime/utils.py; ZeRO-3's parameter gathers, ``allgather_fn`` in
+    partition_parameters.py) and ``reduce_scatter_tensor`` (ZeRO-3's gradients, ``reduce_scatter_coalesced``;
+    :func:`_reduce_scatter`, :func:`_all_gather`).
 
     The mean, not the median: a training step runs many collectives and pays each one's actual
     time, and on a shared machine those times are heavy-tailed (4 KiB on this VM's gloo: median
     0.9-2.6 ms, 75th percentile 3-4 ms, minimum 0.4 ms), so the expected time is what adds up.
     """
-    t = torch.zeros(max(1, nbytes // 4), device=device)
+    world = dist.get_world_size()
+    whole = torch.zeros(max(1, nbytes // 4 // world) * world, device=device)
+    shard = torch.zeros(whole.numel() // world, device=device)
+    call = {
+        "all_reduce": lambda: dist.all_reduce(whole),
+        "all_gather": lambda: _all_gather(whole, shard),
+        "reduce_scatter": lambda: _reduce_scatter(shard, whole),
+    }[kind]
     repeats = 40 if nbytes <= 65536 else 10
-    dist.all_reduce(t)  # warm-up
+    call()  # warm-up
     start = time.perf_counter()
     for _ in range(repeats):
-        dist.all_reduce(t)
+        call()
     _synchronizer(device)()
     return (time.perf_counter() - start) / repeats
+
+
+def _reduce_scatter(output: torch.Tensor, whole: torch.Tensor) -> None:
+    """``dist.reduce_scatter_tensor`` as DeepSpeed calls it, under the name torch 2.13 deprecated it for (there it only
+    calls ``reduce_scatter_single``, torch/distributed/distributed_c10d.py), so that no deprecation warning is printed."""
+    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(output, whole)
+
+
+def _all_gather(whole: torch.Tensor, shard: torch.Tensor) -> None:
+    """``dist.all_gather_into_tensor`` as DeepSpeed calls it, under the name torch 2.13 deprecated it for
+    (``all_gather_single``), likewise."""
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(whole, shard)
 
 
 def across_ranks(value: float, device: torch.device, op: dist.ReduceOp.RedOpType = dist.ReduceOp.MIN) -> float:
@@ -260,10 +313,15 @@ def _device_spec(device: torch.device, shape: WorldShape, dispatch_s: float) -> 
 
 
 def _link(device: torch.device, world_size: int) -> LinkSpec:
+    """The link fitted to each collective at COLLECTIVE_BYTES (:func:`fit_link`); times are the slowest rank's, so every
+    rank writes the same link."""
     if world_size == 1:
         return LinkSpec(bandwidth_GBps=100.0, latency_us=1.0)  # never used: no collective with one process
-    alpha, beta = fit_alpha_beta([(b, allreduce_seconds(b, device)) for b in ALLREDUCE_BYTES], world_size)
-    return LinkSpec(bandwidth_GBps=round(1 / beta / 1e9, 4), latency_us=round(alpha * 1e6, 2))
+
+    def slowest(kind: str, nbytes: int) -> float:
+        return across_ranks(collective_seconds(kind, nbytes, device), device, dist.ReduceOp.MAX)
+
+    return fit_link({kind: [(b, slowest(kind, b)) for b in COLLECTIVE_BYTES] for kind in RING_ROUNDS}, world_size)
 
 
 def op_overhead_s(device: torch.device) -> float:

@@ -8,6 +8,7 @@ YAML form (homogeneous)::
     device: {name: A100-SXM4-80GB, memory_gib: 80, peak_tflops: {bf16: 312, fp16: 312, fp32: 19.5}}
     intra_node: {bandwidth_GBps: 300, latency_us: 5}   # per device, one direction
     inter_node: {bandwidth_GBps: 25, latency_us: 10}   # per device, one direction
+                                                        # (+ optional per-collective fits, see LinkSpec)
     host: {memory_gib: 1024, pcie_GBps: 25}            # optional; needed for offload
     calibration: {...}                                  # optional; fitted constants, see Calibration
 
@@ -88,16 +89,40 @@ class DeviceSpec:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LinkSpec:
-    """One link level in the alpha-beta model: latency alpha and bandwidth 1/beta, per device, one direction."""
+    """One link level in the alpha-beta model: latency alpha and bandwidth 1/beta, per device, one direction.
+
+    ``bandwidth_GBps`` / ``latency_us`` price every collective by the ring model (planning/comm.py). A collective whose
+    implementation runs slower or faster than its ring share (gloo's reduce-scatter takes ~1.7x an all-reduce of the same
+    tensor, not 0.5x) states its own fit: the bandwidth and latency that make *its* ring formula match its measured time;
+    left out (None), it is priced from the link's, exactly as the ring model says.
+    """
 
     bandwidth_GBps: float
-    """Bandwidth one device gets in one direction, in GB/s (1e9 bytes per second)."""
+    """Bandwidth one device gets in one direction, in GB/s (1e9 bytes per second); what all-reduces are priced at."""
     latency_us: float
-    """Start-up latency of one message, in microseconds."""
+    """Start-up latency of one message, in microseconds; what all-reduces are priced at."""
+    allgather_GBps: float | None = None
+    """The bandwidth under which the ring all-gather formula gives the all-gather's measured time, in GB/s; None: the
+    link's ``bandwidth_GBps``."""
+    allgather_latency_us: float | None = None
+    """The latency the all-gather fit goes with, in microseconds; None: the link's ``latency_us``."""
+    reduce_scatter_GBps: float | None = None
+    """The bandwidth under which the ring reduce-scatter formula gives the reduce-scatter's measured time, in GB/s; None:
+    the link's ``bandwidth_GBps``."""
+    reduce_scatter_latency_us: float | None = None
+    """The latency the reduce-scatter fit goes with, in microseconds; None: the link's ``latency_us``."""
 
     def __post_init__(self) -> None:
         require_positive("link.", bandwidth_GBps=self.bandwidth_GBps)
         require_non_negative("link.", latency_us=self.latency_us)
+        for name in ("allgather_GBps", "reduce_scatter_GBps"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise SpecError(f"link.{name} must be > 0 GB/s or left out (the ring model from bandwidth_GBps), got {value!r}")
+        for name in ("allgather_latency_us", "reduce_scatter_latency_us"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise SpecError(f"link.{name} must be >= 0 us or left out (the link's latency_us), got {value!r}")
 
     @property
     def alpha_s(self) -> float:
@@ -108,6 +133,54 @@ class LinkSpec:
     def beta_s_per_byte(self) -> float:
         """Seconds per byte."""
         return 1.0 / (self.bandwidth_GBps * 1e9)
+
+    @property
+    def allgather_alpha_s(self) -> float:
+        """Latency of one all-gather step, in seconds (the link's when no all-gather fit is stated)."""
+        return _or(self.allgather_latency_us, self.latency_us) * 1e-6
+
+    @property
+    def allgather_beta_s_per_byte(self) -> float:
+        """Seconds per byte of an all-gather (the link's when no all-gather fit is stated)."""
+        return 1.0 / (_or(self.allgather_GBps, self.bandwidth_GBps) * 1e9)
+
+    @property
+    def reduce_scatter_alpha_s(self) -> float:
+        """Latency of one reduce-scatter step, in seconds (the link's when no reduce-scatter fit is stated)."""
+        return _or(self.reduce_scatter_latency_us, self.latency_us) * 1e-6
+
+    @property
+    def reduce_scatter_beta_s_per_byte(self) -> float:
+        """Seconds per byte of a reduce-scatter (the link's when no reduce-scatter fit is stated)."""
+        return 1.0 / (_or(self.reduce_scatter_GBps, self.bandwidth_GBps) * 1e9)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain mapping in the YAML layout; fits left out (None) are not written."""
+        return {key: value for key, value in to_mapping(self).items() if value is not None}
+
+    def fastest_with(self, other: "LinkSpec") -> "LinkSpec":
+        """A link at least as fast as both for every collective: the larger bandwidth and smaller latency of each
+        (a per-collective fit stays stated where either link states one)."""
+
+        def fit(name: str, base: str, pick: Any) -> float | None:
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if mine is None and theirs is None:
+                return None
+            return pick(_or(mine, getattr(self, base)), _or(theirs, getattr(other, base)))
+
+        return LinkSpec(
+            bandwidth_GBps=max(self.bandwidth_GBps, other.bandwidth_GBps),
+            latency_us=min(self.latency_us, other.latency_us),
+            allgather_GBps=fit("allgather_GBps", "bandwidth_GBps", max),
+            allgather_latency_us=fit("allgather_latency_us", "latency_us", min),
+            reduce_scatter_GBps=fit("reduce_scatter_GBps", "bandwidth_GBps", max),
+            reduce_scatter_latency_us=fit("reduce_scatter_latency_us", "latency_us", min),
+        )
+
+
+def _or(value: float | None, default: float) -> float:
+    """``value``, or ``default`` when it is None."""
+    return default if value is None else value
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -310,8 +383,8 @@ class ClusterSpec:
             out.update(to_mapping(self.groups[0]))
         else:
             out["groups"] = to_mapping(self.groups)
-        out["intra_node"] = to_mapping(self.intra_node)
-        out["inter_node"] = to_mapping(self.inter_node)
+        out["intra_node"] = self.intra_node.to_dict()
+        out["inter_node"] = self.inter_node.to_dict()
         if self.host is not None:
             out["host"] = to_mapping(self.host)
         if self.calibration != Calibration():

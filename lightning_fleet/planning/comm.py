@@ -2,7 +2,9 @@
 
 Ring algorithms (Thakur, Rabenseifner & Gropp 2005, "Optimization of Collective Communication
 Operations in MPICH"; the same terms alpa's LogicalDeviceMesh uses). ``nbytes`` is always the
-full (unsharded) message size; ``n`` the group size; a group of one costs nothing.
+full (unsharded) message size; ``n`` the group size; a group of one costs nothing. A link may state its own fit for
+the all-gather and the reduce-scatter (what `fleet calibrate` measures): their formulas keep the ring shape, at that
+collective's bandwidth and latency.
 
 Pure: imports neither torch nor deepspeed; imported by the estimate and the search.
 """
@@ -21,15 +23,20 @@ def allreduce_s(nbytes: float, n: int, link: LinkSpec) -> float:
 
 
 def allgather_s(nbytes: float, n: int, link: LinkSpec) -> float:
-    """Ring all-gather of a tensor of ``nbytes`` in total: (n-1) alpha + (n-1)/n * bytes * beta."""
+    """Ring all-gather of a tensor of ``nbytes`` in total: (n-1) alpha + (n-1)/n * bytes * beta, at the link's all-gather
+    fit where it states one (:attr:`LinkSpec.allgather_GBps`), else at its ring alpha and beta."""
     if n == 1:
         return 0.0
-    return (n - 1) * link.alpha_s + (n - 1) / n * nbytes * link.beta_s_per_byte
+    return (n - 1) * link.allgather_alpha_s + (n - 1) / n * nbytes * link.allgather_beta_s_per_byte
 
 
 def reduce_scatter_s(nbytes: float, n: int, link: LinkSpec) -> float:
-    """Ring reduce-scatter of ``nbytes`` in total: same cost as the all-gather, (n-1) alpha + (n-1)/n * bytes * beta."""
-    return allgather_s(nbytes, n, link)
+    """Ring reduce-scatter of ``nbytes`` in total: (n-1) alpha + (n-1)/n * bytes * beta, at the link's reduce-scatter
+    fit where it states one (:attr:`LinkSpec.reduce_scatter_GBps`), else at its ring alpha and beta (the all-gather's
+    ring cost)."""
+    if n == 1:
+        return 0.0
+    return (n - 1) * link.reduce_scatter_alpha_s + (n - 1) / n * nbytes * link.reduce_scatter_beta_s_per_byte
 
 
 def p2p_s(nbytes: float, link: LinkSpec) -> float:

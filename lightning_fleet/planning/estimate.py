@@ -66,8 +66,7 @@ class Hardware:
 
     def with_fastest_links(self) -> "Hardware":
         """The same hardware with both link levels as fast as the faster one (a lower bound over placements)."""
-        a, b = self.intra_node, self.inter_node
-        best = LinkSpec(bandwidth_GBps=max(a.bandwidth_GBps, b.bandwidth_GBps), latency_us=min(a.latency_us, b.latency_us))
+        best = self.intra_node.fastest_with(self.inter_node)
         return dataclasses.replace(self, intra_node=best, inter_node=best)
 
     def link(self, plan: Plan, axis: Axis) -> LinkSpec:
