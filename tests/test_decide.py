@@ -125,7 +125,7 @@ def test_a_continued_checkpoint_keeps_its_plan_and_a_clash_is_one_line():
     resume = resume_of("/c/step-000000007", manifest(text, 8), 8)
     decision = run(facts(), resume=resume)
     assert str(decision.plan) == text and decision.resume == resume
-    assert decision.estimate == estimate(facts().spec, make_cluster(devices_per_node=8), parse_plan(text))
+    assert decision.estimate == estimate(facts().spec, make_cluster(devices_per_node=8), parse_plan(text), overlaps=DEEPSPEED.overlaps)
     assert "  resumed  /c/step-000000007: its plan continues" in decision.report
     with pytest.raises(FleetError, match="but this job fixes zero=3: drop those"):
         run(facts(), resume=resume, plan="zero=3")

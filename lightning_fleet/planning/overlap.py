@@ -75,6 +75,12 @@ class Overlaps:
     """Without sequence parallelism, each of the tp ranks sends 1/tp of the boundary activation and the receiver
     all-gathers it over tp (Megatron-LM's scatter-gather optimization, Narayanan et al. 2021 Sec. 4.1; its
     ``--no-scatter-gather-tensors-in-pipeline`` turned it off). With sp the activation is already split."""
+    dp_grad_allreduce: tuple[int, ...] = ()
+    """ZeRO stages (1, 2) whose gradient reduction is a full all-reduce rather than a reduce-scatter: not an overlap
+    but how the runtime reduces, stated with what it overlaps so that one value describes its data-parallel
+    communication (DeepSpeed 0.19's ZeRO-1/2 optimizer, with ``use_multi_rank_bucket_allreduce`` at its default
+    True, buckets the gradient slices under ``("allreduce", process_group)`` and runs ``allreduce_and_scatter``,
+    deepspeed/runtime/zero/stage_1_and_2.py; Megatron-LM's distributed optimizer and FSDP reduce-scatter)."""
 
     DEFAULT: ClassVar[Overlaps]
     """``Overlaps()``: gradient reductions at every ZeRO stage and ZeRO-3's gathers (asymmetric)."""
@@ -86,6 +92,7 @@ class Overlaps:
     def __post_init__(self) -> None:
         object.__setattr__(self, "dp_grad_reduce", _stages("dp_grad_reduce", self.dp_grad_reduce, ZERO_STAGES))
         object.__setattr__(self, "dp_param_gather", _stages("dp_param_gather", self.dp_param_gather, GATHERING_STAGES))
+        object.__setattr__(self, "dp_grad_allreduce", _stages("dp_grad_allreduce", self.dp_grad_allreduce, (1, 2)))
         for name in ("dp_exposed_in_pipeline", "tp_comm", "pp_p2p", "pp_p2p_split_over_tp"):
             if not isinstance(getattr(self, name), bool):
                 raise PlanError(f"Overlaps {name} must be True or False, got {getattr(self, name)!r}")
@@ -127,6 +134,11 @@ class Overlaps:
         """Pipeline sends of a plan with ``vpp`` virtual stages run beside compute."""
         return self.pp_p2p and vpp > 1
 
+    def reduces_grads_by_allreduce(self, zero: int) -> bool:
+        """ZeRO stage ``zero`` reduces its gradients with a full all-reduce (ZeRO-0 always; ZeRO-1/2 where
+        :attr:`dp_grad_allreduce` says so), not a reduce-scatter."""
+        return zero == 0 or zero in self.dp_grad_allreduce
+
     def splits_pp_p2p(self, tp: int, sp: bool) -> bool:
         """Pipeline sends of a plan with this tp degree and sp carry 1/tp of the boundary and are all-gathered over tp."""
         return self.pp_p2p_split_over_tp and tp > 1 and not sp
@@ -137,7 +149,10 @@ class Overlaps:
                                                                    ("dp_param_gather", self.dp_param_gather)) if stages]
         if self.dp_exposed_in_pipeline and out:
             out.append("neither with pp > 1")
-        return out + [name for name in ("tp_comm", "pp_p2p", "pp_p2p_split_over_tp") if getattr(self, name)]
+        out += [name for name in ("tp_comm", "pp_p2p", "pp_p2p_split_over_tp") if getattr(self, name)]
+        if self.dp_grad_allreduce:
+            out.append(f"gradients all-reduced at zero {_list(self.dp_grad_allreduce)}")
+        return out
 
     def __str__(self) -> str:
         return ", ".join(self.names()) or "nothing"

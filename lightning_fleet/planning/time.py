@@ -223,6 +223,7 @@ def dp_comm_s(
     zero 0: one gradient all-reduce at the accumulation boundary, behind the last backward.
     zero 1: reduce-scatter there, all-gather of the updated weights after the step, behind the next step's first forward.
     zero 2: a reduce-scatter every micro-batch (each behind its backward) and the weight all-gather.
+    At zero 1/2 the reduction is a full all-reduce where the runtime runs one (:attr:`Overlaps.dp_grad_allreduce`).
     zero 3: every micro-batch gathers the weights for forward and again for backward, and reduce-scatters gradients.
     "Behind" hides up to ``overlap`` of it where ``overlaps`` says the runtime runs it beside compute
     (:meth:`Overlaps.hides_grad_reduce`, :meth:`Overlaps.hides_param_gather`); the rest is exposed.
@@ -240,7 +241,8 @@ def dp_comm_s(
     scatter = reduce_scatter_s(nbytes, dp, link)
     if zero in (1, 2):
         updated = exposed_s(gather, forward_time_s, gathers) if gathers else gather
-        return (gas if zero == 2 else 1) * exposed_s(scatter, backward_time_s, grads) + updated
+        reduce = allreduce_s(nbytes, dp, link) if overlaps.reduces_grads_by_allreduce(zero) else scatter
+        return (gas if zero == 2 else 1) * exposed_s(reduce, backward_time_s, grads) + updated
     gather = gather if trainable is None else allgather_s(precision.element_bytes * n / tp, dp, link)
     return gas * zero3_microbatch_s(gather, scatter, forward_time_s, backward_time_s, gathers=gathers, grads=grads)
 

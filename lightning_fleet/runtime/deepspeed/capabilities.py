@@ -33,6 +33,11 @@ DEEPSPEED_OVERLAPS = Overlaps(
     pp_p2p=False,
     # no tensor parallelism inside DeepSpeed's pipeline here (tp_with_pp below), so nothing to split
     pp_p2p_split_over_tp=False,
+    # ZeRO-1/2 reduce the gradients with a full all-reduce, each rank keeping its partition: with
+    # use_multi_rank_bucket_allreduce at its default True (our config does not set it) the slices are bucketed under
+    # ("allreduce", process_group) and reduced by allreduce_and_scatter (runtime/zero/stage_1_and_2.py); ZeRO-3
+    # reduce-scatters (reduce_scatter_tensor, counted on gloo).
+    dp_grad_allreduce=(1, 2),
 )
 """What DeepSpeed 0.19.8 runs beside compute under strategy "fleet" (on CUDA; on CPU/gloo nothing overlaps and the
 calibrated ``overlap`` is 0, calibrate/measure.py)."""
