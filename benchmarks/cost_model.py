@@ -130,9 +130,14 @@ def _other_axes(layers_per_stage: int) -> list[tuple[int, object, object, bool, 
 # --- running -----------------------------------------------------------------------------------------
 
 
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), FLEET_CACHE_DIR=str(OUT / "cache"))
+_LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def worker_env(cache_dir: Path = OUT / "cache") -> dict[str, str]:
+    """The environment of a benchmark's worker processes: this one's without any launcher's (torchrun, Lightning)
+    variables, one OpenMP thread, the repository importable, lightning_fleet's measurement cache in ``cache_dir``."""
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARIABLES and not k.startswith(("TORCHELASTIC_", "PL_"))}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), FLEET_CACHE_DIR=str(cache_dir))
     env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".venv" / "torch_extensions"))
     return env
 
@@ -141,7 +146,7 @@ def calibrate(world: int, timeout_s: float, device: str = "cpu") -> Path:
     """Run ``fleet calibrate`` for ``world`` processes; returns the cluster file."""
     path = OUT / f"cluster-{device}-{world}.yaml"
     cmd = [sys.executable, "-m", "lightning_fleet", "calibrate", f"--nproc-per-node={world}", "--device", device, "--out", str(path)]
-    subprocess.run(cmd, check=True, env=_env(), cwd=ROOT, timeout=timeout_s)
+    subprocess.run(cmd, check=True, env=worker_env(), cwd=ROOT, timeout=timeout_s)
     return path
 
 

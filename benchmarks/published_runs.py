@@ -201,7 +201,8 @@ def _largest_other_term(e: Estimate) -> str:
 
 def _layout_text(layout: dict[str, Any]) -> str:
     keys = ("dp", "tp", "pp", "cp", "zero", "mbs", "gas", "recompute", "sp", "vpp")
-    text = " ".join(f"{k}{layout[k]}" for k in keys if k in layout and layout[k] not in (1, False, "none") or k in ("dp", "zero"))
+    shown = [k for k in keys if k in ("dp", "zero") or layout.get(k, 1) not in (1, False, "none")]
+    text = " ".join(f"{k}{layout[k]}" for k in shown)
     if layout.get("stage_layers"):
         text += " stages " + "/".join(str(n) for n in layout["stage_layers"])
     return text
@@ -210,6 +211,17 @@ def _layout_text(layout: dict[str, Any]) -> str:
 def _layout_substituted(run: Run) -> bool:
     """The run's layout is priced with a knob other than the published one (outside the plan vocabulary)."""
     return any(s.startswith("layout.") for s in run.substituted)
+
+
+def _exactness_line(summary: dict[str, Any], substituted: list[str]) -> str:
+    """The summary's line on runs whose layout is priced with a substituted knob (the figures without them, if any)."""
+    if not substituted:
+        return "- Every priced run's layout is priced exactly as published (no layout knob substituted)."
+    return (
+        f"- The same over the {summary['exact_runs']} runs whose layout is priced exactly as published (leaving out "
+        f"{', '.join(substituted)}, priced with a layout knob outside the plan vocabulary: the yaml's spec_why says what "
+        f"it over- or under-counts): median {summary['exact_median']:.1%}, worst {summary['exact_worst']:.1%}."
+    )
 
 
 def report(data: dict[str, Any], priced: list[Priced]) -> tuple[str, dict[str, Any]]:
@@ -249,13 +261,7 @@ def report(data: dict[str, Any], priced: list[Priced]) -> tuple[str, dict[str, A
         f"- Step time |error|: median **{summary['median']:.1%}** (goal <= {GOAL_MEDIAN:.0%}: "
         f"{'met' if summary['median'] <= GOAL_MEDIAN else 'missed'}), worst **{summary['worst']:.1%}** "
         f"(goal <= {GOAL_WORST:.0%}: {'met' if summary['worst'] <= GOAL_WORST else 'missed'}).",
-        *([] if summary["exact_runs"] == summary["priced"] else [
-            f"- The same over the {summary['exact_runs']} runs whose layout is priced exactly as published (leaving out "
-            f"{', '.join(p.run.id for p in ok if _layout_substituted(p.run))}, priced with a layout knob outside the plan "
-            f"vocabulary: the yaml's spec_why says what it over- or under-counts): median {summary['exact_median']:.1%}, "
-            f"worst {summary['exact_worst']:.1%}."]),
-        *(["- Every priced run's layout is priced exactly as published (no layout knob substituted)."]
-          if summary["exact_runs"] == summary["priced"] else []),
+        _exactness_line(summary, [p.run.id for p in ok if _layout_substituted(p.run)]),
         f"- Published layouts that trained but are predicted not to fit: **{len(misfits)}**"
         + (f" ({', '.join(summary['misfits'])})" if misfits else "") + " (goal 0).",
         f"- Memory where published and the layout is priced as published ({len(memory)} of {len(published_memory)} runs): "

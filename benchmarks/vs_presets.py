@@ -42,7 +42,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.cost_model import ranks, spearman  # noqa: E402  (stdlib only at import; the same statistics as RESULTS.md)
+from benchmarks.cost_model import free_port, ranks, spearman, worker_env  # noqa: E402  (stdlib only at import; the same statistics and worker setup as RESULTS.md)
 
 OUT = ROOT / "benchmarks" / "out" / "vs_presets"
 REPORT = ROOT / "benchmarks" / "VS_PRESETS.md"
@@ -196,23 +196,6 @@ def limit_section(model: str, size: str, limit: int, outcomes: list[Outcome], pr
 # --- running ---------------------------------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now."""
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def _env() -> dict[str, str]:
-    launch = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
-    env = {k: v for k, v in os.environ.items() if k not in launch and not k.startswith(("TORCHELASTIC_", "PL_"))}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), FLEET_CACHE_DIR=str(OUT / "cache"))
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".venv" / "torch_extensions"))
-    return env
-
-
 class Cgroups:
     """One cgroup-v1 memory group per local rank for one run (created here, removed by :meth:`remove`)."""
 
@@ -264,7 +247,7 @@ def launch(job: dict, *, limit_bytes: int | None, timeout_s: float, use_cgroups:
     started = time.perf_counter()
     timed_out = False
     with open(out / "log.txt", "w") as log:
-        proc = subprocess.Popen(cmd, env=_env(), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, env=worker_env(OUT / "cache"), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:

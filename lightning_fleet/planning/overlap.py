@@ -44,7 +44,10 @@ def _list(values: Iterable[object]) -> str:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Overlaps:
-    """The communications one runtime runs beside compute (the rest it runs on the critical path).
+    """How one runtime runs its communication: which collectives it hides behind compute (the rest it runs on the
+    critical path), and the two choices of shape that decide what they cost (whether pipeline sends are split over tp,
+    :attr:`pp_p2p_split_over_tp`; whether ZeRO-1/2 reduce gradients by a full all-reduce, :attr:`dp_grad_allreduce`).
+    The name says its main part; the time model reads all of it from this one value per runtime.
 
     ``Overlaps()`` is the cost model's long-standing assumption (:attr:`DEFAULT`): every gradient reduction hides
     behind backward, ZeRO-3's weight gathers behind forward and backward, and nothing else, so ZeRO-1/2's gather

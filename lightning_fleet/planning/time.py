@@ -47,15 +47,26 @@ def fused_attention_s(kernel_flops: float, *, mbs: int, tp: int, flops_per_s: fl
     return kernel_flops * mbs / tp / (flops_per_s * efficiency)
 
 
+def _forward_work_s(
+    flops: float, attention_flops: float, kernel_flops: float, elementwise: float, *, mbs: int, tp: int, flops_per_s: float,
+    elementwise_s: float, attention_efficiency: float,
+) -> float:
+    """Seconds of forward work on one device: the matmul FLOPs at the achieved rate, but those of fused attention kernels
+    (``attention_flops``, of which they execute ``kernel_flops``) at ``attention_efficiency`` times it, and the
+    memory-bound operators' output elements at ``elementwise_s`` seconds each; per sample, times mbs, split by tp."""
+    attention_s = kernel_flops / (flops_per_s * attention_efficiency)
+    matmul_s = (flops - attention_flops) / flops_per_s + attention_s
+    return (matmul_s + elementwise * elementwise_s) * mbs / tp
+
+
 def forward_s(
     load: StageLoad, *, mbs: int, tp: int, flops_per_s: float, elementwise_s: float = 0.0, attention_efficiency: float = 1.0
 ) -> float:
-    """Forward compute of one micro-batch on one device of the stage: its matmul FLOPs at the achieved rate, but the fused
-    attention kernels' share at their own (the FLOPs they execute at ``attention_efficiency`` times that rate), and its
-    memory-bound operators' output elements at ``elementwise_s`` seconds each."""
-    attention_s = load.attention_kernel_flops / (flops_per_s * attention_efficiency)
-    matmul_s = (load.flops - load.attention_flops) / flops_per_s + attention_s
-    return (matmul_s + load.elementwise * elementwise_s) * mbs / tp
+    """Forward compute of one micro-batch on one device of the stage: all its blocks' work (:func:`_forward_work_s`)."""
+    return _forward_work_s(
+        load.flops, load.attention_flops, load.attention_kernel_flops, load.elementwise, mbs=mbs, tp=tp,
+        flops_per_s=flops_per_s, elementwise_s=elementwise_s, attention_efficiency=attention_efficiency,
+    )
 
 
 def backward_s(forward_time_s: float, attention_s: float = 0.0) -> float:
@@ -81,9 +92,10 @@ def recompute_s(
     if recompute is Recompute.NONE:
         return 0.0
     if recompute is Recompute.FULL:
-        attention_s = load.layer_attention_kernel_flops / (flops_per_s * attention_efficiency)
-        matmul_s = (load.layer_flops - load.layer_attention_flops) / flops_per_s + attention_s
-        return (matmul_s + load.layer_elementwise * elementwise_s) * mbs / tp
+        return _forward_work_s(
+            load.layer_flops, load.layer_attention_flops, load.layer_attention_kernel_flops, load.layer_elementwise, mbs=mbs,
+            tp=tp, flops_per_s=flops_per_s, elementwise_s=elementwise_s, attention_efficiency=attention_efficiency,
+        )
     if recompute is Recompute.OP:
         # the selective term's expression first, so op (which redoes at least those FLOPs) is never the faster, bit for bit
         return load.op_recompute_flops * mbs / tp / flops_per_s + load.op_recompute_elementwise * elementwise_s * mbs / tp
