@@ -125,24 +125,25 @@ def test_default_kernel_rate_is_the_cited_one_and_calibration_overrides_it() -> 
         Calibration(attention_efficiency=0.0)
 
 
-def _compute_s(model: ModelSpec, attention_efficiency: float) -> tuple[float, float, Calibration]:
+def _compute_s(model: ModelSpec, attention_efficiency: float) -> tuple[float, float, E.Hardware]:
     cluster = load_cluster("dgx-a100-80gb")
     calibration = dataclasses.replace(cluster.calibration, attention_efficiency=attention_efficiency)
     cluster = dataclasses.replace(cluster, calibration=calibration)
     hw = E.Hardware.of(cluster, model)
     plan = Plan(dp=8, gas=model.global_batch_size // 8)
-    return E.time_estimate(model, hw, plan).compute_s, E.achieved_rate(model, hw, plan), hw.calibration
+    return E.time_estimate(model, hw, plan).compute_s, E.achieved_rate(model, hw, plan), hw
 
 
 def test_the_estimate_prices_a_causal_flash_layer_by_hand() -> None:
     """One micro-batch of one sample, dp 8: compute = forward + backward, forward = GEMM FLOPs at the achieved rate r,
-    the kernel's 2*s^2*h per layer at 0.83 r, elementwise at the calibrated seconds per element; backward 2x forward plus
+    the kernel's 2*s^2*h per layer at 0.83 r, elementwise at the device memory's seconds per element; backward 2x forward plus
     half the kernel's forward."""
     spec = dataclasses.replace(_spec(attention_kernel="flash"), global_batch_size=8)
     model = transformer_model(spec)
-    compute_s, rate, calibration = _compute_s(model, 0.83)
+    compute_s, rate, hw = _compute_s(model, 0.83)
     kernel_s = L * CORE / 2 / (rate * 0.83)
-    elementwise_s = sum(b.elementwise * b.count for b in model.blocks) * calibration.elementwise_s
+    assert hw.elementwise_s == 2 * 2 / 2039e9  # bf16 read + write at the A100 80GB's 2,039 GB/s
+    elementwise_s = sum(b.elementwise * b.count for b in model.blocks) * hw.elementwise_s
     forward = (model.flops_per_sample - L * CORE) / rate + kernel_s + elementwise_s
     assert compute_s == pytest.approx(3 * forward + 0.5 * kernel_s, rel=1e-12)
     gpt = transformer_model(dataclasses.replace(_spec(), global_batch_size=8))

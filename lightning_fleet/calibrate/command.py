@@ -75,7 +75,7 @@ def summary(measured: Measurement, cluster: ClusterSpec, out: str, seconds: floa
         f"  GEMM peak   {peaks}; half rate at d={c.matmul_half_dim:g}",
         f"  memory      {group.device.memory_gib:g} GiB per device (runtime reserve {c.memory_reserve_gib:g} GiB){host}",
         f"  link        {link}",
-        f"  operators   dispatch {c.op_overhead_s * 1e6:.3g} us, element-wise {c.elementwise_s * 1e9:.3g} ns per element, "
+        f"  operators   dispatch {c.op_overhead_s * 1e6:.3g} us, element-wise {(c.elementwise_s or 0.0) * 1e9:.3g} ns per element, "
         f"AdamW {c.adam_params_per_s / 1e6:.3g} M params/s",
         f"  attention   {_attention_text(measured.attention, c.attention_efficiency)}",
         f"  framework   {probe}",

@@ -5,7 +5,8 @@ YAML form (homogeneous)::
     name: dgx-a100-80gb
     nodes: 4
     devices_per_node: 8
-    device: {name: A100-SXM4-80GB, memory_gib: 80, peak_tflops: {bf16: 312, fp16: 312, fp32: 19.5}}
+    device: {name: A100-SXM4-80GB, memory_gib: 80, peak_tflops: {bf16: 312, fp16: 312, fp32: 19.5},
+             memory_GBps: 2039}                         # memory_GBps optional: HBM bandwidth, data sheet
     intra_node: {bandwidth_GBps: 300, latency_us: 5}   # per device, one direction
     inter_node: {bandwidth_GBps: 25, latency_us: 10}   # per device, one direction
                                                         # (+ optional per-collective fits, see LinkSpec)
@@ -77,9 +78,16 @@ class DeviceSpec:
     """Memory one device has, in GiB."""
     peak_tflops: PeakTflops
     """Peak matmul throughput per number format."""
+    memory_GBps: float | None = None
+    """Bandwidth of the device's own memory (HBM), in GB/s, as its data sheet states it: the rate at which the
+    memory-bound operators (norms, activations, softmax, adds) run when the calibration does not state
+    ``elementwise_s`` (:func:`lightning_fleet.planning.time.memory_bound_element_s`). None: not known; their time is
+    then folded into ``calibration.matmul_efficiency``."""
 
     def __post_init__(self) -> None:
         require_positive("device.", memory_gib=self.memory_gib)
+        if self.memory_GBps is not None:
+            require_positive("device.", memory_GBps=self.memory_GBps)
 
     @property
     def memory_bytes(self) -> float:
@@ -178,6 +186,13 @@ class LinkSpec:
         )
 
 
+def _without_unknown_bandwidth(group: dict[str, Any]) -> dict[str, Any]:
+    """A group's mapping without ``device.memory_GBps`` where it is not known (None is the default it reads back as)."""
+    if group["device"].get("memory_GBps") is None:
+        group["device"].pop("memory_GBps", None)
+    return group
+
+
 def _or(value: float | None, default: float) -> float:
     """``value``, or ``default`` when it is None."""
     return default if value is None else value
@@ -217,9 +232,11 @@ class Calibration:
     """Fixed framework time per micro-batch (engine bookkeeping), in seconds."""
     op_overhead_s: float = 0.0
     """Host time to dispatch one operator (Python + dispatcher + launch), in seconds; paid per operator of a micro-batch."""
-    elementwise_s: float = 0.0
+    elementwise_s: float | None = None
     """Device time per output element of an operator that does no matmul (norms, activations, softmax, adds: memory-bound),
-    in seconds; backward costs twice the forward. 0 (the default): folded into ``matmul_efficiency``."""
+    in seconds; backward costs twice the forward. None (the default): one read and one write of the element at the
+    device's ``memory_GBps`` (:func:`lightning_fleet.planning.time.memory_bound_element_s`), or folded into
+    ``matmul_efficiency`` (0) where the device states no bandwidth. `fleet calibrate` measures it."""
     attention_efficiency: float = 0.83
     """A fused attention kernel's rate (FlashAttention / SDPA, forward and backward) as a fraction of the large GEMMs'
     achieved rate, at most ATTENTION_EFFICIENCY_MAX. 0.83: FlashAttention-2 on an A100, causal, head dimension 128,
@@ -277,7 +294,7 @@ class Calibration:
             step_overhead_s=self.step_overhead_s,
             microbatch_overhead_s=self.microbatch_overhead_s,
             op_overhead_s=self.op_overhead_s,
-            elementwise_s=self.elementwise_s,
+            elementwise_s=0.0 if self.elementwise_s is None else self.elementwise_s,
             memory_reserve_fraction=self.memory_reserve_fraction,
             memory_reserve_gib=self.memory_reserve_gib,
         )
@@ -360,7 +377,8 @@ class ClusterSpec:
         return len({(g.devices_per_node, g.device) for g in self.groups}) == 1
 
     def planning_device(self) -> DeviceSpec:
-        """The device plans are made for: the least memory and the lowest peak of any group."""
+        """The device plans are made for: the least memory, the lowest peak and memory bandwidth of any group (no
+        bandwidth where a group states none)."""
         devices = [g.device for g in self.groups]
         if len(set(devices)) == 1:
             return devices[0]
@@ -370,7 +388,11 @@ class ClusterSpec:
             fp32=min(d.peak_tflops.fp32 for d in devices),
         )
         names = "/".join(dict.fromkeys(d.name for d in devices))
-        return DeviceSpec(name=f"slowest of {names}", memory_gib=min(d.memory_gib for d in devices), peak_tflops=peak)
+        bandwidths = [d.memory_GBps for d in devices]
+        return DeviceSpec(
+            name=f"slowest of {names}", memory_gib=min(d.memory_gib for d in devices), peak_tflops=peak,
+            memory_GBps=None if None in bandwidths else min(bandwidths),  # type: ignore[type-var]
+        )
 
     def link(self, level: LinkLevel) -> LinkSpec:
         """The link spec of one level."""
@@ -379,16 +401,17 @@ class ClusterSpec:
     def to_dict(self) -> dict[str, Any]:
         """Plain mapping in the YAML layout (homogeneous form when there is one group)."""
         out: dict[str, Any] = {"name": self.name}
-        if len(self.groups) == 1:
-            out.update(to_mapping(self.groups[0]))
+        groups = [_without_unknown_bandwidth(to_mapping(g)) for g in self.groups]
+        if len(groups) == 1:
+            out.update(groups[0])
         else:
-            out["groups"] = to_mapping(self.groups)
+            out["groups"] = groups
         out["intra_node"] = self.intra_node.to_dict()
         out["inter_node"] = self.inter_node.to_dict()
         if self.host is not None:
             out["host"] = to_mapping(self.host)
         if self.calibration != Calibration():
-            out["calibration"] = to_mapping(self.calibration)
+            out["calibration"] = {k: v for k, v in to_mapping(self.calibration).items() if v is not None}
         return out
 
     def to_yaml(self) -> str:

@@ -15,10 +15,10 @@ from typing import Any
 
 from lightning_fleet.planning import memory as mem
 from lightning_fleet.planning import time as tm
-from lightning_fleet.planning.cluster import GIB, Calibration, ClusterSpec, LinkLevel, LinkSpec
+from lightning_fleet.planning.cluster import GIB, Calibration, ClusterSpec, DeviceSpec, LinkLevel, LinkSpec
 from lightning_fleet.planning.comm import axis_level
 from lightning_fleet.planning.errors import PlanError
-from lightning_fleet.planning.model import ModelSpec, Role
+from lightning_fleet.planning.model import ModelSpec, Precision, Role
 from lightning_fleet.planning.overlap import Overlaps
 from lightning_fleet.planning.plan import Axis, Offload, Plan, Recompute
 from lightning_fleet.planning.stages import StageLoad, stage_loads, with_stage_layers
@@ -46,6 +46,9 @@ class Hardware:
     """Host link per device; 0 without a host spec."""
     calibration: Calibration
     """Cost-model constants."""
+    elementwise_s: float = 0.0
+    """Seconds per output element of a memory-bound operator: ``calibration.elementwise_s`` where stated, else
+    :func:`time.memory_bound_element_s` at the planning device's memory bandwidth, else 0 (folded into the matmul rate)."""
 
     @classmethod
     def of(cls, cluster: ClusterSpec, model: ModelSpec) -> "Hardware":
@@ -62,6 +65,7 @@ class Hardware:
             host_bytes_per_device=host.memory_gib * GIB / cluster.devices_per_node if host else 0.0,
             pcie_GBps=host.pcie_GBps if host else 0.0,
             calibration=cluster.calibration,
+            elementwise_s=_elementwise_s(cluster.calibration, device, model.precision),
         )
 
     def with_fastest_links(self) -> "Hardware":
@@ -76,6 +80,15 @@ class Hardware:
     def links(self, plan: Plan) -> "AxisLinks":
         """The links of all three axes under the plan's placement."""
         return AxisLinks(dp=self.link(plan, Axis.DP), tp=self.link(plan, Axis.TP), pp=self.link(plan, Axis.PP))
+
+
+def _elementwise_s(calibration: Calibration, device: DeviceSpec, precision: Precision) -> float:
+    """:attr:`Hardware.elementwise_s`: the calibration's where it states one, else the device memory's rate, else 0."""
+    if calibration.elementwise_s is not None:
+        return calibration.elementwise_s
+    if device.memory_GBps is None:
+        return 0.0
+    return tm.memory_bound_element_s(device.memory_GBps, precision.element_bytes)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -307,10 +320,9 @@ class TimeModel:
         key = (pp, load.index, mbs, tp)
         fwd = self._fwd.get(key)
         if fwd is None:
-            calibration = self.hw.calibration
             fwd = self._fwd[key] = tm.forward_s(
-                load, mbs=mbs, tp=tp, flops_per_s=self.rate(mbs, tp), elementwise_s=calibration.elementwise_s,
-                attention_efficiency=calibration.attention_efficiency,
+                load, mbs=mbs, tp=tp, flops_per_s=self.rate(mbs, tp), elementwise_s=self.hw.elementwise_s,
+                attention_efficiency=self.hw.calibration.attention_efficiency,
             )
         return fwd
 
@@ -375,7 +387,7 @@ class TimeModel:
                 load.attention_kernel_flops, mbs=mbs, tp=tp, flops_per_s=rate, efficiency=calibration.attention_efficiency
             )
             bwd = tm.backward_s(fwd, attention_s) + tm.recompute_s(load, mbs=mbs, tp=tp, recompute=recompute, flops_per_s=rate,
-                                                                   elementwise_s=calibration.elementwise_s,
+                                                                   elementwise_s=self.hw.elementwise_s,
                                                                    attention_efficiency=calibration.attention_efficiency)
             pair = self._compute[key] = (fwd, bwd)
         return pair

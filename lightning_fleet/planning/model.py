@@ -156,7 +156,7 @@ class BlockSpec:
     """Forward FLOPs for one sample (multiply-add = 2 FLOPs); tensor parallelism divides them by tp."""
     elementwise: float = 0.0
     """Output elements per sample of the forward's operators that do no matmul (norms, activations, softmax, residual
-    adds, copies: memory-bound work priced by ``calibration.elementwise_s``); tensor parallelism divides them by tp."""
+    adds, copies: memory-bound work priced by ``Hardware.elementwise_s``: the calibration's or the device memory's rate); tensor parallelism divides them by tp."""
     act_replicated_bytes: float = 0.0
     """Saved bytes per sample that every tp rank keeps whole, unless sequence parallelism splits them."""
     act_sharded_bytes: float = 0.0
@@ -540,12 +540,10 @@ class TransformerSpec:
     def to_dict(self) -> dict[str, Any]:
         """Plain mapping in the transformer YAML layout (unset ffn_hidden_size, the default grad_accum_dtype and architecture
         keys at their GPT defaults left out)."""
-        out = to_mapping(self)
-        if self.ffn_hidden_size is None:
-            del out["ffn_hidden_size"]
+        out = to_mapping(self)  # leaves out the optional keys at None (ffn_hidden_size, num_kv_heads unset)
         for field in dataclasses.fields(self):
             if field.name in _ARCHITECTURE_KEYS and getattr(self, field.name) == field.default:
-                del out[field.name]
+                out.pop(field.name, None)
         if self.grad_accum_dtype is GradAccumDtype.WORKING:
             del out["grad_accum_dtype"]
         return out

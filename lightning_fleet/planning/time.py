@@ -34,6 +34,20 @@ def achieved_flops_per_s(peak_flops_per_s: float, dim: float, calibration: Calib
     return peak_flops_per_s * calibration.matmul_efficiency * dim / (dim + calibration.matmul_half_dim)
 
 
+MEMORY_BOUND_ACCESSES = 2
+"""Element accesses of device memory per output element of a memory-bound operator: its input read once and its output
+written once (an element-wise map; a fused kernel reads several inputs, an unfused chain of them re-reads each
+intermediate: two is the fused single-input case). Norms, activations, dropout, softmax and residual adds do O(1)
+arithmetic per element and run at the memory's rate, not the matmul units' (Ivanov et al., "Data Movement Is All You
+Need: A Case Study on Optimizing Transformers", MLSys 2021, arXiv 2007.00072, Sec. 3)."""
+
+
+def memory_bound_element_s(memory_GBps: float, element_bytes: int) -> float:
+    """Device seconds per output element of a memory-bound operator: :data:`MEMORY_BOUND_ACCESSES` accesses of
+    ``element_bytes`` each at the memory's data-sheet bandwidth (an A100 80GB's 2,039 GB/s, bf16: 4 bytes in 1.96 ps)."""
+    return MEMORY_BOUND_ACCESSES * element_bytes / (memory_GBps * 1e9)
+
+
 FUSED_ATTENTION_BACKWARD = 2.5
 """A fused attention kernel's backward over its forward: five matmuls (QK^T recomputed, dV, dP, dQ, dK) against two
 (FlashAttention, Dao 2022, Sec. 3.1: the scores are recomputed in the backward pass; the FlashAttention repository counts
