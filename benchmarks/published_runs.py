@@ -29,7 +29,7 @@ from typing import Any
 import yaml
 
 from lightning_fleet.planning import (
-    ClusterSpec, Estimate, FleetError, Overlaps, Plan, TransformerSpec, estimate, load_cluster, transformer_model,
+    Calibration, ClusterSpec, Estimate, FleetError, Overlaps, Plan, TransformerSpec, estimate, load_cluster, transformer_model,
 )
 
 HERE = Path(__file__).parent
@@ -228,7 +228,8 @@ def report(data: dict[str, Any], priced: list[Priced]) -> tuple[str, dict[str, A
     """The markdown report and its summary figures."""
     ok = [p for p in priced if p.estimate is not None]
     errors = [abs(p.error) for p in ok]
-    misfits = [p for p in ok if not p.estimate.fits]
+    misfits = [p for p in ok if not p.estimate.fits and not p.estimate.memory.tight]
+    tight = [p for p in ok if p.estimate.memory.tight]
     published_memory = [p for p in ok if p.run.memory_gib is not None]
     # a layout priced as another one (torchtitan's op-level recomputation as full) holds other activations
     memory = [p for p in published_memory if not _layout_substituted(p.run)]
@@ -241,6 +242,7 @@ def report(data: dict[str, Any], priced: list[Priced]) -> tuple[str, dict[str, A
         "median": statistics.median(errors) if errors else float("nan"),
         "worst": max(errors) if errors else float("nan"),
         "misfits": [p.run.id for p in misfits],
+        "tight": [p.run.id for p in tight],
         "exact_runs": len(exact),
         "exact_median": statistics.median(exact) if exact else float("nan"),
         "exact_worst": max(exact) if exact else float("nan"),
@@ -263,7 +265,10 @@ def report(data: dict[str, Any], priced: list[Priced]) -> tuple[str, dict[str, A
         f"(goal <= {GOAL_WORST:.0%}: {'met' if summary['worst'] <= GOAL_WORST else 'missed'}).",
         _exactness_line(summary, [p.run.id for p in ok if _layout_substituted(p.run)]),
         f"- Published layouts that trained but are predicted not to fit: **{len(misfits)}**"
-        + (f" ({', '.join(summary['misfits'])})" if misfits else "") + " (goal 0).",
+        + (f" ({', '.join(summary['misfits'])})" if misfits else "") + " (goal 0)"
+        + (f"; predicted tight (every byte held only inside the {Calibration().memory_reserve_fraction:.0%} "
+           f"fragmentation allowance, which the planner never spends): **{len(tight)}** ({', '.join(summary['tight'])})"
+           if tight else "") + ".",
         f"- Memory where published and the layout is priced as published ({len(memory)} of {len(published_memory)} runs): "
         f"median |error| {summary['memory_median']:.1%}"
         + ("" if len(memory) == len(published_memory) else
@@ -310,7 +315,7 @@ def report(data: dict[str, Any], priced: list[Priced]) -> tuple[str, dict[str, A
         mem_pub = f"{r.memory_gib:.1f}" if r.memory_gib is not None else ""
         lines.append(
             f"| {r.id} | {r.gpus} | {_layout_text(r.layout)} | {ref} | {e.time.step_s:.3f} | {p.error:+.1%} | {thr_pub} | "
-            f"{thr_pred} | {mem_pub} | {p.predicted_memory_gib:.1f} | {'yes' if e.fits else '**no**'} | {_largest_other_term(e)} |"
+            f"{thr_pred} | {mem_pub} | {p.predicted_memory_gib:.1f} | {'yes' if e.fits else 'tight' if e.memory.tight else '**no**'} | {_largest_other_term(e)} |"
         )
     lines += [
         "", "## What each run assumes", "",
@@ -340,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{p.run.id:36s} not priced: {p.reason}")
         else:
             print(f"{p.run.id:36s} ref {p.run.reference_step_s:9.3f}  pred {p.estimate.time.step_s:9.3f}  {p.error:+7.1%}  fits {p.estimate.fits}")
-    print(f"median {summary['median']:.1%}  worst {summary['worst']:.1%}  misfits {summary['misfits']}  -> {args.out}")
+    print(f"median {summary['median']:.1%}  worst {summary['worst']:.1%}  misfits {summary['misfits']}  tight {summary['tight']}  -> {args.out}")
     return 0
 
 

@@ -38,7 +38,7 @@ from lightning_fleet.planning import (
 )
 from lightning_fleet.planning.cluster import GIB
 from lightning_fleet.planning.overlap import OVERLAP_NAMES, Overlaps
-from lightning_fleet.planning.search import explain_misfit
+from lightning_fleet.planning.search import explain_misfit, explain_tight
 from lightning_fleet.runtime import RUNTIMES, capabilities_of
 from lightning_fleet.runtime.base import Capabilities, ModuleHooks
 
@@ -264,7 +264,12 @@ def _print_estimate(e: Estimate, cluster: ClusterSpec) -> None:
         tim.add_row(name, f"{value:.4g}")
     tim.add_row("[bold]step[/]", f"[bold]{e.time.step_s:.4g}[/]")
     console.print(mem, tim)
-    verdict = "[green]fits[/]" if e.fits else f"[red]does not fit[/]: {explain_misfit(e.memory)}"
+    if e.fits:
+        verdict = "[green]fits[/]"
+    elif e.memory.tight:
+        verdict = f"[yellow]tight[/]: {explain_tight(e.memory)}"
+    else:
+        verdict = f"[red]does not fit[/]: {explain_misfit(e.memory)}"
     console.print(
         f"{verdict}; {e.samples_per_s:.4g} samples/s, {e.model_tflops_per_device:.1f} model TFLOP/s per device "
         f"({e.hardware_tflops_per_device:.1f} hardware)"

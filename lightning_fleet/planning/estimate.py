@@ -158,6 +158,7 @@ class StateBytes:
             host_bytes=self.host_bytes,
             host_limit_bytes=hw.host_bytes_per_device,
             stage=stage,
+            fragmentation_bytes=mem.fragmentation_bytes(hw.memory_bytes, hw.calibration),
         )
 
 
@@ -539,6 +540,7 @@ class Estimate:
             "plan": self.plan.to_dict(),
             "plan_string": str(self.plan),
             "fits": self.fits,
+            "tight": self.memory.tight,
             "memory": self.memory.to_dict(),
             "time": self.time.to_dict(),
             "throughput": {

@@ -140,7 +140,12 @@ def zero3_gather_bytes(largest_block_params: float, *, tp: int, zero: int, preci
 
 def reserve_bytes(device_memory_bytes: float, calibration: Calibration) -> float:
     """Memory kept free: a fixed runtime share (context, communicators) plus a fraction for fragmentation."""
-    return calibration.memory_reserve_gib * GIB + calibration.memory_reserve_fraction * device_memory_bytes
+    return calibration.memory_reserve_gib * GIB + fragmentation_bytes(device_memory_bytes, calibration)
+
+
+def fragmentation_bytes(device_memory_bytes: float, calibration: Calibration) -> float:
+    """The part of the reserve kept for allocator fragmentation: ``memory_reserve_fraction`` of the device memory."""
+    return calibration.memory_reserve_fraction * device_memory_bytes
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -165,6 +170,8 @@ class MemoryEstimate:
     """Host memory per device (node memory / devices per node); 0 without a host spec."""
     stage: int
     """Pipeline stage of the worst device."""
+    fragmentation_bytes: float = 0.0
+    """The allocator-fragmentation allowance inside ``other_bytes`` (:func:`fragmentation_bytes`)."""
 
     @property
     def total_bytes(self) -> float:
@@ -175,6 +182,17 @@ class MemoryEstimate:
     def fits(self) -> bool:
         """Device and host both hold what the plan needs."""
         return self.total_bytes <= self.limit_bytes and self.host_bytes <= self.host_limit_bytes
+
+    @property
+    def tight(self) -> bool:
+        """It does not fit with the fragmentation allowance but does without it: the device holds every byte the plan
+        needs, with nothing to spare for a fragmented allocator. A layout tuned by hand may run so (published ones did);
+        the planner never chooses one."""
+        return (
+            not self.fits
+            and self.total_bytes - self.fragmentation_bytes <= self.limit_bytes
+            and self.host_bytes <= self.host_limit_bytes
+        )
 
     def terms(self) -> dict[str, float]:
         """The device terms by readable name."""

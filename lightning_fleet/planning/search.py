@@ -426,7 +426,10 @@ def _gib(nbytes: float) -> str:
 
 
 def explain_misfit(memory: MemoryEstimate) -> str:
-    """One line: what the plan needs, what there is, and the largest term; the device, the host, or both."""
+    """One line: what the plan needs, what there is, and the largest term; the device, the host, or both (a
+    :attr:`MemoryEstimate.tight` plan is explained as that, :func:`explain_tight`)."""
+    if memory.tight:
+        return "tight: " + explain_tight(memory)
     host = (
         f"host memory: needs {_gib(memory.host_bytes)} per device > {_gib(memory.host_limit_bytes)} "
         f"(short {_gib(memory.host_bytes - memory.host_limit_bytes)})"
@@ -439,6 +442,16 @@ def explain_misfit(memory: MemoryEstimate) -> str:
         f"(short {_gib(memory.total_bytes - memory.limit_bytes)}; largest term {term} {_gib(nbytes)})"
     )
     return device + ("; " + host if memory.host_bytes > memory.host_limit_bytes else "")
+
+
+def explain_tight(memory: MemoryEstimate) -> str:
+    """One line for a :attr:`MemoryEstimate.tight` plan: what it needs against the device, and what that leaves out."""
+    need = memory.total_bytes - memory.fragmentation_bytes
+    return (
+        f"needs {_gib(need)} of {_gib(memory.limit_bytes)} on stage {memory.stage}, inside the "
+        f"{_gib(memory.fragmentation_bytes)} kept for allocator fragmentation (calibration.memory_reserve_fraction): "
+        f"it may run with a tuned allocator (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True), the planner never chooses it"
+    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
