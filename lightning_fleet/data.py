@@ -38,7 +38,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, RandomSampler, Sampler, SequentialSampler
 
 from lightning_fleet import rng
-from lightning_fleet.elastic.sampler import GlobalBatchSampler, MicroBatchCollate, MicroBatches, rank_share
+from lightning_fleet.elastic.sampler import GlobalBatchSampler, MicroBatchCollate, MicroBatches, check_shares, rank_share
 from lightning_fleet.planning import FleetError
 from lightning_fleet.rng import RngState
 
@@ -256,22 +256,25 @@ def step_loader(
     gas: int,
     seed: int,
     first_step: Callable[[], int],
+    shares: tuple[int, ...] | None = None,
 ) -> DataLoader:
     """A DataLoader that yields this data-parallel rank's :class:`MicroBatches` (``gas`` of them) per optimizer step.
+    ``shares`` (samples per replica and step, :meth:`Plan.replica_samples`) gives the replicas unequal contiguous
+    shares; without it each takes ``global_batch_size / dp_size``.
 
     ``first_step()`` is read when an iteration starts (Lightning: ``trainer.global_step``): the position
     is keyed by the global optimizer step, so a resumed or resized job continues exactly. ``seed`` is
     the data-order seed, identical on every rank.
     """
-    _check_split(global_batch_size, dp_size, dp_rank, gas)
+    _check_split(global_batch_size, dp_size, dp_rank, gas, shares)
     collate = MicroBatchCollate(data.collate_fn, gas)
     if data.kind is DataKind.STREAM:
-        split = {"global_batch_size": global_batch_size, "dp_size": dp_size, "dp_rank": dp_rank}
+        split = {"global_batch_size": global_batch_size, "dp_size": dp_size, "dp_rank": dp_rank, "shares": shares}
         steps = StreamSteps(data, **split, collate=collate, seed=seed, first_step=first_step)
         # num_workers=0: steps are grouped here, the user's workers load the samples (StreamSteps); own generator: no RNG draw
         pin = data.options.pin_memory
         return DataLoader(steps, batch_size=None, collate_fn=_as_is, pin_memory=pin, generator=torch.Generator())
-    sampler = _global_batch_sampler(data, global_batch_size, dp_size, dp_rank, seed, first_step)
+    sampler = _global_batch_sampler(data, global_batch_size, dp_size, dp_rank, seed, first_step, shares)
     return _StepLoader(data.dataset, batch_sampler=sampler, collate_fn=collate, seed=seed, **data.options.kwargs())
 
 
@@ -292,12 +295,17 @@ class _StepLoader(DataLoader):
         return super().__iter__()
 
 
-def _check_split(global_batch_size: int, dp_size: int, dp_rank: int, gas: int) -> None:
+def _check_split(global_batch_size: int, dp_size: int, dp_rank: int, gas: int, shares: tuple[int, ...] | None) -> None:
     if min(global_batch_size, dp_size, gas) < 1 or not 0 <= dp_rank < dp_size:
         raise FleetError(
             f"step_loader(global_batch_size={global_batch_size}, dp_size={dp_size}, dp_rank={dp_rank}, gas={gas}): out of range"
         )
-    if global_batch_size % (dp_size * gas):
+    if shares is not None:
+        try:
+            check_shares(shares, global_batch_size=global_batch_size, dp_size=dp_size, gas=gas)
+        except ValueError as err:
+            raise FleetError(f"step_loader: {err}") from None
+    elif global_batch_size % (dp_size * gas):
         raise FleetError(
             f"global batch {global_batch_size} does not split into dp {dp_size} x gas {gas} equal micro-batches: "
             f"use a global batch divisible by {dp_size * gas}"
@@ -305,7 +313,8 @@ def _check_split(global_batch_size: int, dp_size: int, dp_rank: int, gas: int) -
 
 
 def _global_batch_sampler(
-    data: TrainingData, global_batch_size: int, dp_size: int, dp_rank: int, seed: int, first_step: Callable[[], int]
+    data: TrainingData, global_batch_size: int, dp_size: int, dp_rank: int, seed: int, first_step: Callable[[], int],
+    shares: tuple[int, ...] | None,
 ) -> GlobalBatchSampler:
     order = SamplerOrder(data.sampler, seed) if data.sampler is not None else None
     num_samples = len(order) if order is not None else _map_len(data.dataset)
@@ -323,6 +332,7 @@ def _global_batch_sampler(
         seed=seed,
         first_step=first_step,
         epoch_order=order,
+        shares=shares,
     )
 
 
@@ -482,9 +492,10 @@ class StreamSteps(IterableDataset):
         collate: Callable[[list[Any]], MicroBatches],
         seed: int,
         first_step: Callable[[], int],
+        shares: tuple[int, ...] | None = None,
     ) -> None:
         self.data = data
-        self.global_batch_size, self.dp_size, self.dp_rank = global_batch_size, dp_size, dp_rank
+        self.global_batch_size, self.dp_size, self.dp_rank, self.shares = global_batch_size, dp_size, dp_rank, shares
         self.collate, self.seed, self.first_step = collate, seed, first_step
         self._reader: _StreamReader | None = None
 
@@ -498,7 +509,7 @@ class StreamSteps(IterableDataset):
         yielded = 0
         while (group := reader.next_group(may_end_pass=yielded > 0)) is not None:
             yielded += 1
-            yield self.collate(rank_share(group, self.dp_size, self.dp_rank))
+            yield self.collate(rank_share(group, self.dp_size, self.dp_rank, self.shares))
 
 
 class _StreamReader:

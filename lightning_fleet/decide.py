@@ -164,12 +164,12 @@ def decide(
     else:
         constraints = _constraints(module, options, capabilities, resume)
         capabilities.check(partial, constraints, module.hooks)
-        constraints = narrow(constraints, partial)
         if partial.complete:  # everything fixed: train it as given (priced, not searched)
+            narrow(constraints, partial)
             fixed = partial.to_plan(module.spec.global_batch_size)
             chosen, result = estimate(module.spec, cluster, fixed, overlaps=capabilities.overlaps), None
         else:
-            result = search_plans(module.spec, cluster, top=options.top, constraints=constraints)
+            result = search_plans(module.spec, cluster, top=options.top, constraints=narrow(constraints, partial))
             chosen = result.best
         notes.extend(pipeline_note(chosen.plan))
     return Decision(
@@ -209,6 +209,8 @@ def _continued(
     assert resume.manifest is not None
     resumed = parse_plan(resume.manifest.plan or "", global_batch_size=module.spec.global_batch_size)
     clash = {k: v for k, v in partial.fixed.items() if getattr(resumed, k) != v}
+    if clash and set(clash) <= _SPLIT_KEYS:  # the same layout, the batch split another way: the checkpoint loads as is
+        resumed, clash = _with_split(resumed, partial, module), {}
     if clash:
         raise FleetError(
             f"checkpoint {resume.path} was trained with plan {resumed}, but this job fixes "
@@ -226,6 +228,32 @@ def _continued(
             "(FleetStrategy's zero_stages, offload, max_tp/max_pp, the module's hooks) or start in another checkpoint_dir"
         ) from None
     return estimate(module.spec, cluster, resumed, overlaps=capabilities.overlaps)
+
+
+_SPLIT_KEYS = {"mbs", "gas", "dp_mbs"}
+"""Plan keys that say how a step's batch is split over micro-batches and replicas, not where weights and optimizer
+states live: a checkpoint continues under any values of them (which samples form a step never depends on them)."""
+
+
+def _with_split(resumed: Plan, partial: PartialPlan, module: ModuleFacts) -> Plan:
+    """``resumed`` with the micro-batch split ``partial`` fixes (dp_mbs, or mbs and gas), gas following from the global
+    batch; FleetError (one line) when that split does not fit the checkpoint's layout or the global batch."""
+    gbs = module.spec.global_batch_size
+    fixed = ", ".join(f"{k}={field_text(v)}" for k, v in partial.fixed.items() if k in _SPLIT_KEYS)
+    sizes = partial.dp_mbs if partial.dp_mbs is not None or partial.mbs is not None else resumed.dp_mbs
+    mbs = partial.mbs or resumed.mbs
+    per_micro_step = sum(sizes) if sizes is not None else resumed.dp * mbs
+    gas = partial.gas or max(1, gbs // per_micro_step)
+    try:
+        plan = resumed.replace(mbs=mbs, gas=gas, dp_mbs=sizes)
+    except FleetError as err:
+        raise FleetError(f"the checkpoint's plan {resumed} cannot take the fixed {fixed}: {err}") from None
+    if plan.global_batch_size != gbs:
+        raise FleetError(
+            f"the checkpoint's plan {resumed} with the fixed {fixed} takes {plan.global_batch_size} samples a step, "
+            f"not the global batch {gbs}: fix a split that makes it"
+        )
+    return plan
 
 
 def fixed_axes(module: ModuleFacts, options: JobOptions) -> tuple[PartialPlan, list[str]]:
@@ -248,6 +276,11 @@ def module_pins(module: ModuleFacts, partial: PartialPlan, *, pin_with: str = "m
     as the micro-batch when the loss depends on it (unless ``partial`` fixes one), gas=1 under manual optimization.
     ``pin_with`` is how the user pins a micro-batch where the report is read (``fleet plan``: ``--fix mbs=N``)."""
     notes = []
+    if module.batch_dependent and partial.dp_mbs is not None and len(set(partial.dp_mbs)) > 1:
+        raise FleetError(
+            f"plan {partial}: the loss depends on the micro-batch (BatchNorm, in-batch negatives or a summed loss), so "
+            f"replicas with micro-batches {field_text(partial.dp_mbs)} would not train the single-process model: leave dp_mbs out"
+        )
     if module.batch_dependent and partial.mbs is None:
         mbs, gbs = module.loader_batch_size, module.spec.global_batch_size
         if gbs % mbs == 0:

@@ -554,6 +554,7 @@ class FleetStrategy(DeepSpeedStrategy):
                 dp_size=plan.dp,
                 dp_rank=self.dp_rank,
                 gas=plan.gas,
+                shares=plan.replica_samples() if plan.dp_mbs is not None else None,
                 seed=_sampler_seed(),
                 first_step=lambda: trainer.global_step,
             )
@@ -572,7 +573,7 @@ class FleetStrategy(DeepSpeedStrategy):
         losses = []
         for micro in batch[:-1]:
             loss = _loss_of(super().training_step(micro, *rest, **kwargs))
-            self.backend.accumulate(self.deepspeed_engine, loss)
+            self.backend.accumulate(self.deepspeed_engine, self._weighted(loss))
             losses.append(loss.detach())
         output = super().training_step(batch[-1], *rest, **kwargs)
         last = _loss_of(output)
@@ -592,10 +593,20 @@ class FleetStrategy(DeepSpeedStrategy):
         return self._engine_in_use() and self.plan is not None and self.plan.pp > 1
 
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """Under a pipeline the engine ran backward inside its schedule already."""
+        """Under a pipeline the engine ran backward inside its schedule already; otherwise the runtime's backward of the
+        loss weighted by this replica's share (:meth:`_weighted`)."""
         if self._pipelined():
             return closure_loss
-        return super().backward(closure_loss, optimizer, *args, **kwargs)
+        return super().backward(self._weighted(closure_loss), optimizer, *args, **kwargs)
+
+    def _weighted(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times this replica's :meth:`Plan.loss_weight` when the replicas' micro-batches differ (``dp_mbs``):
+        the runtime averages the replicas' gradients, which is then the mean over the global batch. The loss the user
+        sees (progress bar, logs) stays unweighted."""
+        plan = self.plan
+        if plan is None or plan.dp_mbs is None or not self._engine_in_use():
+            return loss
+        return loss * plan.loss_weight(self.dp_rank)
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         """Under a pipeline the closure runs the step's schedule, which also stepped the engine."""

@@ -4,7 +4,8 @@ Every epoch has one global order of dataset indices: a seeded permutation, ident
 shuffle, or the indices the user's own sampler yields (``epoch_order``, see
 :mod:`lightning_fleet.data`). Optimizer step ``s`` consumes global samples ``order[s*G:(s+1)*G]``;
 data-parallel rank ``r`` of ``dp`` takes the contiguous ``G/dp`` slice ``r`` of them
-(:func:`rank_share`) and cuts it into ``gas`` micro-batches of ``mbs``. A plan change (dp, mbs,
+(:func:`rank_share`; with uneven ``shares``, its own share, after those of the replicas before it) and cuts it into
+``gas`` micro-batches. A plan change (dp, mbs,
 gas) therefore never changes which samples form a step, and a single process with the whole batch
 sees the same samples.
 
@@ -23,15 +24,34 @@ class MicroBatches(list):
     """The micro-batches of one optimizer step on one rank, each already collated."""
 
 
-def rank_share(step_samples: Sequence[Any], dp_size: int, dp_rank: int) -> list[Any]:
-    """Data-parallel rank ``dp_rank``'s contiguous share of one step's global samples."""
-    per_rank = len(step_samples) // dp_size
-    share = step_samples[dp_rank * per_rank : (dp_rank + 1) * per_rank]
+def rank_share(step_samples: Sequence[Any], dp_size: int, dp_rank: int, shares: Sequence[int] | None = None) -> list[Any]:
+    """Data-parallel rank ``dp_rank``'s contiguous share of one step's global samples: the ``dp_rank``-th of ``dp_size``
+    equal slices, or, given ``shares`` (samples per replica, first to last, adding up to the step), the slice after
+    the shares of the replicas before it."""
+    if shares is None:
+        start = dp_rank * (len(step_samples) // dp_size)
+        stop = start + len(step_samples) // dp_size
+    else:
+        start = sum(shares[:dp_rank])
+        stop = start + shares[dp_rank]
+    share = step_samples[start:stop]
     return share.tolist() if isinstance(share, torch.Tensor) else list(share)
 
 
+def check_shares(shares: Sequence[int], *, global_batch_size: int, dp_size: int, gas: int) -> None:
+    """ValueError (one line) unless ``shares`` has one positive count per replica, each a whole number of ``gas``
+    micro-batches, adding up to the global batch."""
+    if len(shares) != dp_size or any(n < 1 for n in shares):
+        raise ValueError(f"shares {list(shares)} must be {dp_size} positive sample counts, one per data-parallel replica")
+    if sum(shares) != global_batch_size:
+        raise ValueError(f"shares {list(shares)} add up to {sum(shares)}, not the global batch {global_batch_size}")
+    if any(n % gas for n in shares):
+        raise ValueError(f"shares {list(shares)} do not each split into gas {gas} equal micro-batches")
+
+
 class GlobalBatchSampler(Sampler[list[Any]]):
-    """Yields, per optimizer step, this rank's ``global_batch_size / dp_size`` dataset indices.
+    """Yields, per optimizer step, this rank's ``global_batch_size / dp_size`` dataset indices (its ``shares`` entry of
+    them when given).
 
     The position is keyed by the global optimizer step (``first_step()`` when iteration starts):
     step ``g`` is step ``g % S`` of epoch ``g // S`` (``S`` steps per epoch). A resumed or resized
@@ -50,8 +70,11 @@ class GlobalBatchSampler(Sampler[list[Any]]):
         seed: int = 0,
         first_step: Callable[[], int] = lambda: 0,
         epoch_order: Callable[[int], Sequence[Any]] | None = None,
+        shares: Sequence[int] | None = None,
     ) -> None:
-        if global_batch_size % dp_size:
+        if shares is not None:
+            check_shares(shares, global_batch_size=global_batch_size, dp_size=dp_size, gas=1)
+        elif global_batch_size % dp_size:
             raise ValueError(f"global batch size {global_batch_size} is not divisible by dp {dp_size}")
         if num_samples < global_batch_size:
             raise ValueError(f"the dataset has {num_samples} samples, fewer than one global batch of {global_batch_size}")
@@ -61,6 +84,7 @@ class GlobalBatchSampler(Sampler[list[Any]]):
         self.shuffle, self.seed = shuffle, seed
         self.first_step = first_step
         self.epoch_order = epoch_order
+        self.shares = None if shares is None else tuple(shares)
 
     @property
     def steps_per_epoch(self) -> int:
@@ -83,7 +107,7 @@ class GlobalBatchSampler(Sampler[list[Any]]):
         order = self.order(epoch)
         size = self.global_batch_size
         for step in range(first, self.steps_per_epoch):
-            yield rank_share(order[step * size : (step + 1) * size], self.dp_size, self.dp_rank)
+            yield rank_share(order[step * size : (step + 1) * size], self.dp_size, self.dp_rank, self.shares)
 
     def __len__(self) -> int:
         """Steps of a whole epoch, also when resuming mid-epoch: Lightning's batch counter continues from the resumed step."""

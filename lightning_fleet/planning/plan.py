@@ -9,6 +9,9 @@ gas derived from the global batch size. ``order=tp-dp-pp`` (innermost axis first
 when it differs from the default placement, and ``stage_layers=7/8/8/7`` (transformer layers per
 pipeline stage, first to last) only when the layers split unevenly; without it a pipeline splits
 them evenly when pp divides them, else as :func:`lightning_fleet.planning.stages.balanced_stage_layers` says.
+``dp_mbs=6/2`` gives each data-parallel replica its own micro-batch size (mbs is then the largest, and may be left
+out); a replica's loss is weighted by its share (:meth:`Plan.loss_weight`) so the gradient stays the mean over the
+global batch. It is printed only when the sizes differ.
 
 A :class:`PartialPlan` (:func:`parse_partial_plan`) reads the same strings with the other meaning:
 the keys given are fixed and the planner chooses the rest (``dp=2,zero=1``: ZeRO-1 on two replicas,
@@ -85,10 +88,10 @@ class Coordinates:
                 raise PlanError(f"coordinates: {axis} must be a non-negative integer index, got {index!r}")
 
 
-_KEYS = ("dp", "tp", "pp", "zero", "mbs", "gas", "recompute", "sp", "vpp", "offload", "order", "stage_layers")
-_OPTIONAL = ("gas", "order", "stage_layers")
+_KEYS = ("dp", "tp", "pp", "zero", "mbs", "gas", "recompute", "sp", "vpp", "offload", "order", "stage_layers", "dp_mbs")
+_OPTIONAL = ("gas", "order", "stage_layers", "dp_mbs")
 """Keys a whole plan may leave out: gas follows from the global batch, order defaults to tp-dp-pp, stage_layers to the
-default split."""
+default split, dp_mbs to mbs on every replica."""
 _INT_KEYS = ("dp", "tp", "pp", "mbs", "gas", "vpp")
 
 
@@ -121,6 +124,9 @@ class Plan:
     stage_layers: tuple[int, ...] | None = None
     """Transformer layers on each pipeline stage, first to last (None: the default split, even when pp divides the
     layers); an even split is kept as None, so each split has one spelling."""
+    dp_mbs: tuple[int, ...] | None = None
+    """Micro-batch size of each data-parallel replica, first to last, when they differ (None: every replica runs
+    ``mbs``; equal sizes are kept as None). ``mbs`` is then the largest: what the busiest device holds and computes."""
 
     def __post_init__(self) -> None:
         for name in _INT_KEYS:  # the checks of _check_positive and _check_zero, inline: the search builds many plans
@@ -141,6 +147,9 @@ class Plan:
             split = _check_stage_layers(self.stage_layers)
             _check_split_pairs(split, pp=self.pp, vpp=self.vpp)
             object.__setattr__(self, "stage_layers", None if len(set(split)) == 1 else split)
+        if self.dp_mbs is not None:
+            sizes = _check_dp_mbs(self.dp_mbs, dp=self.dp, mbs=self.mbs)
+            object.__setattr__(self, "dp_mbs", None if len(set(sizes)) == 1 else sizes)
 
     @property
     def world_size(self) -> int:
@@ -149,8 +158,28 @@ class Plan:
 
     @property
     def global_batch_size(self) -> int:
-        """Samples per optimizer step: dp * mbs * gas."""
+        """Samples per optimizer step: dp * mbs * gas, or gas * sum(dp_mbs) when the replicas' micro-batches differ."""
+        if self.dp_mbs is not None:
+            return self.gas * sum(self.dp_mbs)
         return self.dp * self.mbs * self.gas
+
+    def replica_mbs(self, dp_rank: int) -> int:
+        """Micro-batch size of data-parallel replica ``dp_rank``."""
+        return self.mbs if self.dp_mbs is None else self.dp_mbs[dp_rank]
+
+    def replica_samples(self) -> tuple[int, ...]:
+        """Samples each data-parallel replica takes per optimizer step (gas micro-batches each), first to last: the
+        contiguous shares of a step's global batch that replica 0, 1, ... read, in that order."""
+        return tuple(self.gas * self.replica_mbs(r) for r in range(self.dp))
+
+    def loss_weight(self, dp_rank: int) -> float:
+        """What replica ``dp_rank`` multiplies its micro-batch losses by so that the runtime's gradient, the mean over
+        replicas of each replica's mean over its micro-batches, is the mean over the global batch:
+        dp * its micro-batch size / the sum of them (1 when they are equal). Exact for a loss that is a mean over the
+        micro-batch's samples."""
+        if self.dp_mbs is None:
+            return 1.0
+        return self.dp * self.dp_mbs[dp_rank] / sum(self.dp_mbs)
 
     def __str__(self) -> str:
         text = (
@@ -161,6 +190,8 @@ class Plan:
             text += f",order={'-'.join(self.order)}"
         if self.stage_layers is not None:
             text += f",stage_layers={field_text(self.stage_layers)}"
+        if self.dp_mbs is not None:
+            text += f",dp_mbs={field_text(self.dp_mbs)}"
         return text
 
     def stride(self, axis: Axis) -> int:
@@ -198,15 +229,16 @@ class Plan:
         return sum(getattr(coordinates, axis.value) * self.stride(axis) for axis in Axis)
 
     def to_dict(self) -> dict[str, object]:
-        """The plan as JSON-ready values (order as 'tp-dp-pp'; stage_layers as a list, and only when the split is uneven)."""
+        """The plan as JSON-ready values (order as 'tp-dp-pp'; stage_layers and dp_mbs as lists, and only when uneven)."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         out["recompute"] = str(self.recompute)
         out["offload"] = str(self.offload)
         out["order"] = "-".join(self.order)
-        if self.stage_layers is None:
-            del out["stage_layers"]
-        else:
-            out["stage_layers"] = list(self.stage_layers)
+        for name in ("stage_layers", "dp_mbs"):
+            if out[name] is None:
+                del out[name]
+            else:
+                out[name] = list(out[name])  # type: ignore[call-overload]
         return out
 
     def replace(self, **changes: object) -> "Plan":
@@ -233,9 +265,9 @@ class Plan:
         elif self.pp > num_layers:
             problems.append(f"pp({self.pp}) > num_layers({num_layers}): every stage needs a layer (or give stage_layers)")
         if self.global_batch_size != global_batch_size:
-            problems.append(
-                f"dp({self.dp}) * mbs({self.mbs}) * gas({self.gas}) = {self.global_batch_size} != global batch size {global_batch_size}"
-            )
+            split = f"gas({self.gas}) * sum(dp_mbs={field_text(self.dp_mbs)})" if self.dp_mbs else (
+                f"dp({self.dp}) * mbs({self.mbs}) * gas({self.gas})")
+            problems.append(f"{split} = {self.global_batch_size} != global batch size {global_batch_size}")
         if problems:
             raise PlanError("plan " + str(self) + " is invalid: " + "; ".join(problems))
 
@@ -277,6 +309,18 @@ def _check_stage_layers(value: object) -> tuple[int, ...]:
     if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in value) or not sum(value):
         raise PlanError(f"plan: stage_layers must be non-negative layer counts with at least one layer, got {value!r}")
     return tuple(value)
+
+
+def _check_dp_mbs(value: object, *, dp: int | None, mbs: int | None) -> tuple[int, ...]:
+    """A tuple of positive micro-batch sizes, one per replica where dp is known, the largest equal to mbs where mbs is."""
+    if not isinstance(value, tuple) or not value or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in value):
+        raise PlanError(f"plan: dp_mbs must be positive micro-batch sizes, one per data-parallel replica, such as 6/2, got {value!r}")
+    text = field_text(value)
+    if dp is not None and len(value) != dp:
+        raise PlanError(f"plan: dp_mbs={text} names {len(value)} replicas, but dp={dp}: give one micro-batch size per replica")
+    if mbs is not None and mbs != max(value):
+        raise PlanError(f"plan: dp_mbs={text} has largest micro-batch {max(value)}, but mbs={mbs}: mbs is the largest (or leave it out)")
+    return value
 
 
 def _check_split_pairs(split: tuple[int, ...], *, pp: int | None, vpp: int | None) -> None:
@@ -323,17 +367,27 @@ def parse_plan(text: str, *, global_batch_size: int | None = None) -> Plan:
     fields = _split_plan(text)
     if "dp" not in fields:
         raise PlanError(f"plan {text!r} needs dp=N")
+    sizes = fields.get("dp_mbs")
+    if sizes is not None and "mbs" not in fields:
+        fields["mbs"] = max(_check_dp_mbs(sizes, dp=None, mbs=None))
     if "gas" not in fields:
         if global_batch_size is None:
             raise PlanError(f"plan {text!r} has no gas= and no global batch size to derive it from")
-        per_step = fields["dp"] * fields.get("mbs", 1)
+        per_step, what = _per_micro_step(fields)
         if global_batch_size % per_step:
-            raise PlanError(
-                f"plan {text!r}: global batch size {global_batch_size} is not divisible by "
-                f"dp({fields['dp']}) * mbs({fields.get('mbs', 1)}) = {per_step}"
-            )
+            raise PlanError(f"plan {text!r}: global batch size {global_batch_size} is not divisible by {what} = {per_step}")
         fields["gas"] = global_batch_size // per_step
     return Plan(**fields)
+
+
+def _per_micro_step(fields: Mapping[str, object]) -> tuple[int, str]:
+    """Samples one micro-batch of every replica takes together, and how the plan string says it: sum(dp_mbs) when given,
+    else dp * mbs (mbs 1 when left out)."""
+    sizes = fields.get("dp_mbs")
+    if sizes is not None:
+        return sum(sizes), f"sum(dp_mbs={field_text(sizes)})"  # type: ignore[call-overload, arg-type]
+    mbs = fields.get("mbs", 1)
+    return fields["dp"] * mbs, f"dp({fields['dp']}) * mbs({mbs})"  # type: ignore[operator]
 
 
 def _split_plan(text: str) -> dict[str, object]:
@@ -360,6 +414,11 @@ def _parse_value(key: str, value: str, text: str) -> object:
         return tuple(value.split("-"))
     if key == "stage_layers":
         return _parse_stage_layers(value, text)
+    if key == "dp_mbs":
+        try:
+            return tuple(int(n) for n in value.split("/"))
+        except ValueError:
+            raise PlanError(f"plan {text!r}: dp_mbs must be micro-batch sizes per replica such as 6/2, got {value!r}") from None
     if key in ("recompute", "offload"):
         return value
     try:
@@ -383,8 +442,9 @@ def plan_from_mapping(data: Mapping[str, object]) -> Plan:
         data["order"] = tuple(str(data["order"]).split("-"))
     if isinstance(data.get("stage_layers"), str):
         data["stage_layers"] = _parse_stage_layers(str(data["stage_layers"]), str(data["stage_layers"]))
-    elif isinstance(data.get("stage_layers"), list):
-        data["stage_layers"] = tuple(data["stage_layers"])  # type: ignore[arg-type]
+    for name in ("stage_layers", "dp_mbs"):
+        if isinstance(data.get(name), list):
+            data[name] = tuple(data[name])  # type: ignore[arg-type]
     return Plan(**data)
 
 
@@ -421,6 +481,9 @@ class PartialPlan:
     """Placement of the axes on ranks, innermost first."""
     stage_layers: tuple[int, ...] | None = None
     """Transformer layers per pipeline stage, first to last (None: the default split); fixes pp to its length."""
+    dp_mbs: tuple[int, ...] | None = None
+    """Micro-batch size of each data-parallel replica; fixes dp to its length and mbs to the largest. Uneven sizes are
+    given with a whole plan (:attr:`complete`): the planner prices and runs them, it does not search around them."""
 
     def __post_init__(self) -> None:
         for name in _INT_KEYS:
@@ -443,6 +506,13 @@ class PartialPlan:
             object.__setattr__(self, "stage_layers", split)
             if self.pp is None:
                 object.__setattr__(self, "pp", len(split))
+        if self.dp_mbs is not None:
+            sizes = _check_dp_mbs(self.dp_mbs, dp=self.dp, mbs=self.mbs)
+            object.__setattr__(self, "dp_mbs", sizes)
+            if self.dp is None:
+                object.__setattr__(self, "dp", len(sizes))
+            if self.mbs is None:
+                object.__setattr__(self, "mbs", max(sizes))
 
     @property
     def fixed(self) -> dict[str, object]:
@@ -471,20 +541,16 @@ class PartialPlan:
                 f"plan {str(self)!r} leaves {', '.join(self.missing)} to the planner; fix them all to use it without a search"
             )
         fields = {name: value for name, value in self.fixed.items()}
-        per_step = fields["dp"] * fields["mbs"]  # type: ignore[operator]
+        per_step, what = _per_micro_step(fields)
         if global_batch_size is not None and global_batch_size % per_step:
-            raise PlanError(
-                f"plan {str(self)!r}: global batch size {global_batch_size} is not divisible by "
-                f"dp({self.dp}) * mbs({self.mbs}) = {per_step}"
-            )
+            raise PlanError(f"plan {str(self)!r}: global batch size {global_batch_size} is not divisible by {what} = {per_step}")
         if self.gas is None:
             if global_batch_size is None:
                 raise PlanError(f"plan {str(self)!r} has no gas= and no global batch size to derive it from")
             fields["gas"] = global_batch_size // per_step
         elif global_batch_size is not None and per_step * self.gas != global_batch_size:
             raise PlanError(
-                f"plan {str(self)!r}: dp({self.dp}) * mbs({self.mbs}) * gas({self.gas}) = {per_step * self.gas} "
-                f"!= global batch size {global_batch_size}"
+                f"plan {str(self)!r}: {what} * gas({self.gas}) = {per_step * self.gas} != global batch size {global_batch_size}"
             )
         return Plan(**fields)  # type: ignore[arg-type]
 

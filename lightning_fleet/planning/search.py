@@ -60,6 +60,7 @@ from lightning_fleet.planning.estimate import (
     check_recompute,
     stage_state_bytes,
 )
+from lightning_fleet.planning.estimate import estimate as estimate_plan
 from lightning_fleet.planning.memory import MemoryEstimate
 from lightning_fleet.planning.model import ModelSpec
 from lightning_fleet.planning.overlap import Overlaps
@@ -121,6 +122,14 @@ class Constraints:
     :func:`~lightning_fleet.planning.stages.balanced_stage_layers`); False: pp must divide num_layers."""
     stage_layers: tuple[int, ...] | None = None
     """Exact layers per pipeline stage of every plan, first to last (None: the default split); pp must be its length."""
+    uneven_dp: bool = True
+    """Allow data-parallel replicas with different micro-batch sizes (``dp_mbs``, given by the user, never searched)."""
+    uneven_dp_with_pp: bool = True
+    """Allow them inside a pipeline (False: a plan with dp_mbs has pp=1)."""
+    dp_mbs: tuple[int, ...] | None = None
+    """Exact micro-batch size of each data-parallel replica of every plan (dp is its length, mbs its largest): the
+    search plans the rest as for every replica running the largest (what the busiest device holds and computes), and
+    the plans it returns are priced with the real sizes."""
 
     def __post_init__(self) -> None:
         order = list(Recompute)  # none < selective < op < full, each never faster: the search relies on this order
@@ -227,6 +236,14 @@ def narrow(base: Constraints, partial: PartialPlan) -> Constraints:
         if not base.uneven_stages and len(set(partial.stage_layers)) > 1:
             raise refuse("stage_layers", partial.stage_layers, "an even split only, as this runtime runs no uneven stages")
         changes["stage_layers"] = partial.stage_layers
+    if partial.dp_mbs is not None and len(set(partial.dp_mbs)) > 1:
+        if not base.uneven_dp:
+            raise refuse("dp_mbs", partial.dp_mbs, "one micro-batch size on every replica, as this runtime runs no other")
+        if not base.uneven_dp_with_pp:
+            if (partial.pp or 1) > 1:
+                raise refuse("pp", partial.pp, "pp=1 with dp_mbs, as this runtime's pipeline computes the loss itself")
+            changes["pp"] = 1
+        changes["dp_mbs"] = partial.dp_mbs
     if partial.tp is not None and partial.pp is not None and partial.tp > 1 and partial.pp > 1 and not base.tp_with_pp:
         raise refuse("tp", partial.tp, "tp=1 when pp > 1")
     if partial.zero is not None:
@@ -912,6 +929,8 @@ def plan(
     if top < 1:
         raise PlanError(f"top must be >= 1, got {top}")
     cons = constraints if constraints is not None else Constraints(**constraint_fields)  # type: ignore[arg-type]
+    if cons.dp_mbs is not None:
+        return _plan_uneven_dp(model, cluster, cons, top=top, max_rejected=max_rejected, exhaustive=exhaustive)
     cons = _recomputable(model, cons)
     if cons.stage_layers is not None:
         check_stage_layers(model, cons.stage_layers)
@@ -935,6 +954,34 @@ def plan(
         seconds=_clock.perf_counter() - started,
         all_feasible=tuple(ranked),
         misfit_plans=tuple(m.plan for m in search.misfits),
+    )
+
+
+def _plan_uneven_dp(
+    model: ModelSpec, cluster: ClusterSpec, cons: Constraints, *, top: int, max_rejected: int, exhaustive: bool
+) -> PlanResult:
+    """:func:`plan` for replicas with the micro-batch sizes ``cons.dp_mbs``: the search of the same model at the batch
+    of every replica running the largest (gas micro-steps of sum(dp_mbs) samples), so each candidate's memory and pace
+    are its busiest replica's; the plans it returns are then priced at the model's own batch with those sizes. PlanError
+    (one line) when the sizes do not split the global batch into whole micro-steps."""
+    sizes = cons.dp_mbs
+    assert sizes is not None
+    gbs, per_micro_step = model.global_batch_size, sum(sizes)
+    if gbs % per_micro_step or cons.gas not in (None, gbs // per_micro_step):
+        raise PlanError(
+            f"dp_mbs={field_text(sizes)} takes {per_micro_step} samples a micro-step, which does not make the global batch "
+            f"{gbs} in {'gas=' + str(cons.gas) if cons.gas else 'whole'} micro-steps: give sizes adding up to a divisor of {gbs}"
+        )
+    gas, largest = gbs // per_micro_step, max(sizes)
+    even = dataclasses.replace(cons, dp_mbs=None, dp=len(sizes), gas=gas, mbs=(largest,))
+    as_even = dataclasses.replace(model, global_batch_size=len(sizes) * largest * gas)
+    result = plan(as_even, cluster, top=top, max_rejected=max_rejected, exhaustive=exhaustive, constraints=even)
+
+    def priced(e: Estimate) -> Estimate:
+        return estimate_plan(model, cluster, e.plan.replace(dp_mbs=sizes), overlaps=cons.overlaps)
+
+    return dataclasses.replace(
+        result, plans=tuple(priced(e) for e in result.plans), all_feasible=tuple(priced(e) for e in result.all_feasible)
     )
 
 

@@ -75,6 +75,11 @@ class Capabilities:
     """Runs interleaved pipeline schedules (vpp > 1)."""
     uneven_stages: bool
     """Runs pipeline stages holding different numbers of layers (``Plan.stage_layers``; pp need not divide the layers)."""
+    uneven_dp: bool
+    """Runs data-parallel replicas with different micro-batch sizes (``Plan.dp_mbs``), each replica's loss weighted by
+    its share (``Plan.loss_weight``) so that the averaged gradient is the global batch's mean."""
+    uneven_dp_with_pp: bool
+    """Runs them inside a pipeline too (the pipeline engine computes the loss itself)."""
     max_zero_with_pp: int
     """Highest ZeRO stage it runs together with pp > 1."""
     tp_with_pp: bool
@@ -121,6 +126,8 @@ class Capabilities:
             allow_sp=self.sequence_parallel,
             max_vpp=None if self.interleaved_pipeline else 1,
             uneven_stages=self.uneven_stages,
+            uneven_dp=self.uneven_dp,
+            uneven_dp_with_pp=self.uneven_dp_with_pp,
             max_zero_with_pp=self.max_zero_with_pp,
             search_placement=self.any_placement,
             tp_with_pp=self.tp_with_pp,
@@ -169,6 +176,12 @@ class Capabilities:
             return f"plan {plan}: {self.label} runs {self._missing_schedules()}"
         if plan.stage_layers is not None and len(set(plan.stage_layers)) > 1 and not self.uneven_stages:
             return f"plan {plan}: {self.label} splits the layers of a pipeline evenly only; leave stage_layers out"
+        if plan.dp_mbs is not None and len(set(plan.dp_mbs)) > 1:
+            if not self.uneven_dp:
+                return f"plan {plan}: {self.label} runs one micro-batch size on every replica; leave dp_mbs out"
+            if pp > 1 and not self.uneven_dp_with_pp:
+                return (f"plan {plan}: {self.label}'s pipeline engine computes the loss itself and cannot weight a replica's "
+                        "share; use pp=1 with dp_mbs, or leave dp_mbs out")
         if plan.recompute is Recompute.SELECTIVE and not self.selective_recompute:
             return f"plan {plan}: selective recomputation needs attention internals; use recompute=full or none"
         if plan.recompute is Recompute.OP and not self.op_recompute:
@@ -246,6 +259,8 @@ ANY = Capabilities(
     sequence_parallel=True,
     interleaved_pipeline=True,
     uneven_stages=True,
+    uneven_dp=True,
+    uneven_dp_with_pp=True,
     max_zero_with_pp=3,
     tp_with_pp=True,
     offload_with_pp=True,

@@ -52,6 +52,14 @@ DEEPSPEED = Capabilities(
     # PipelineModule's partition_method only balances by count, parameters or layer type; runtime/deepspeed/pipeline.py
     # gives it the plan's split instead (FleetPipelineModule overrides _partition_layers, deepspeed/runtime/pipe/module.py)
     uneven_stages=True,
+    # the engine never checks the size of the batches it is fed (only the config's train_batch_size = micro * gas *
+    # dp, runtime/config.py), reduces the replicas' gradients by their mean (runtime/engine.py allreduce_gradients,
+    # ZeRO's average_tensor), and scales each micro-batch's loss by 1/gas: each replica's loss weighted by dp * its
+    # micro-batch / their sum (strategy.py _weighted) gives the global batch's mean gradient at every ZeRO stage
+    uneven_dp=True,
+    # PipelineEngine.train_batch computes the loss inside its schedule (runtime/pipe/engine.py _exec_forward_pass):
+    # strategy "fleet" has no hook there to weight it
+    uneven_dp_with_pp=False,
     # "ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism" (deepspeed/runtime/pipe/engine.py, measured)
     max_zero_with_pp=1,
     # the pipeline module is built with a pipe x data topology only (runtime/deepspeed/pipeline.py): no AutoTP in it

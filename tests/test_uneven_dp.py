@@ -1,0 +1,223 @@
+"""Data-parallel replicas with different micro-batch sizes (Plan.dp_mbs, issue 14): the plan value, each replica's
+share of a step's samples, the loss weights, what the runtime refuses, the decision, and (multiprocess) real DeepSpeed
+training on gloo against the single-process reference at every ZeRO stage, and a checkpoint resumed under another split.
+
+Every expected value is a literal or a visible arithmetic expression.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from lightning_fleet.decide import Resume, ResumeKind, resume_of
+from lightning_fleet.elastic.sampler import GlobalBatchSampler, MicroBatchCollate, check_shares, rank_share
+from lightning_fleet.planning import FleetError, Plan, estimate, parse_partial_plan, parse_plan
+from lightning_fleet.planning.plan import plan_from_mapping
+from lightning_fleet.runtime import ANY
+from lightning_fleet.runtime.base import ModuleHooks
+from lightning_fleet.runtime.deepspeed.capabilities import DEEPSPEED
+from tests.conftest import make_cluster
+from tests.test_decide import facts, manifest, run
+
+HOOKS = ModuleHooks(name="GPT", tensor_parallel=True, pipeline=True, layers=True, automatic_optimization=True)
+
+
+# --- the plan value -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.pure
+def test_plan_text_dict_and_batch_arithmetic() -> None:
+    plan = parse_plan("dp=2,zero=1,dp_mbs=3/1", global_batch_size=8)
+    assert (plan.mbs, plan.gas) == (3, 2)  # mbs is the largest; gas = 8 / (3 + 1)
+    assert str(plan) == "dp=2,tp=1,pp=1,zero=1,mbs=3,gas=2,recompute=none,sp=false,vpp=1,offload=none,dp_mbs=3/1"
+    assert plan.global_batch_size == 2 * (3 + 1) == 8
+    assert plan.replica_samples() == (2 * 3, 2 * 1)
+    assert (plan.replica_mbs(0), plan.replica_mbs(1)) == (3, 1)
+    assert (plan.loss_weight(0), plan.loss_weight(1)) == (2 * 3 / 4, 2 * 1 / 4)
+    assert plan.to_dict()["dp_mbs"] == [3, 1]
+    assert parse_plan(str(plan)) == plan and plan_from_mapping(plan.to_dict()) == plan
+
+
+@pytest.mark.pure
+def test_equal_sizes_are_the_even_plan_with_one_spelling() -> None:
+    even = parse_plan("dp=2,dp_mbs=2/2", global_batch_size=8)
+    assert even == parse_plan("dp=2,mbs=2", global_batch_size=8) and even.dp_mbs is None
+    assert "dp_mbs" not in str(even) and "dp_mbs" not in even.to_dict()
+    assert even.loss_weight(0) == even.loss_weight(1) == 1.0
+    assert even.replica_samples() == (4, 4)
+
+
+@pytest.mark.pure
+@pytest.mark.parametrize(("text", "message"), [
+    ("dp=3,dp_mbs=3/1", "dp_mbs=3/1 names 2 replicas, but dp=3: give one micro-batch size per replica"),
+    ("dp=2,mbs=2,dp_mbs=3/1", "dp_mbs=3/1 has largest micro-batch 3, but mbs=2: mbs is the largest"),
+    ("dp=2,dp_mbs=3/0", "dp_mbs must be positive micro-batch sizes, one per data-parallel replica"),
+    ("dp=2,dp_mbs=three/1", "dp_mbs must be micro-batch sizes per replica such as 6/2, got 'three/1'"),
+    ("dp=2,dp_mbs=3/2", r"global batch size 8 is not divisible by sum\(dp_mbs=3/2\) = 5"),
+])
+def test_bad_sizes_are_one_clear_line(text: str, message: str) -> None:
+    with pytest.raises(FleetError, match=message) as err:
+        parse_plan(text, global_batch_size=8)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.pure
+def test_a_plan_checks_its_split_against_the_global_batch() -> None:
+    plan = parse_plan("dp=2,dp_mbs=3/1,gas=2")
+    with pytest.raises(FleetError, match=r"gas\(2\) \* sum\(dp_mbs=3/1\) = 8 != global batch size 12"):
+        plan.check(world_size=2, num_layers=2, num_heads=4, global_batch_size=12)
+
+
+@pytest.mark.pure
+def test_a_partial_plan_fixing_the_sizes_fixes_dp_and_mbs() -> None:
+    partial = parse_partial_plan("dp_mbs=6/2,zero=2")
+    assert (partial.dp, partial.mbs, partial.dp_mbs) == (2, 6, (6, 2))
+    assert not partial.complete
+    with pytest.raises(FleetError, match="names 2 replicas, but dp=4"):
+        parse_partial_plan("dp=4,dp_mbs=6/2")
+
+
+# --- each replica's samples -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.pure
+def test_the_replicas_shares_are_the_step_in_order() -> None:
+    step = list(range(100, 112))
+    shares = (6, 2, 4)
+    parts = [rank_share(step, 3, r, shares) for r in range(3)]
+    assert parts == [list(range(100, 106)), [106, 107], list(range(108, 112))]
+    assert rank_share(torch.arange(4), 2, 1) == [2, 3]  # even: unchanged
+    micro = MicroBatchCollate(lambda xs: list(xs), gas=2)
+    assert micro(parts[0]) == [[100, 101, 102], [103, 104, 105]]  # gas micro-batches of that replica's size
+
+
+@pytest.mark.pure
+def test_a_step_is_the_same_samples_whatever_the_split() -> None:
+    def step_samples(shares: tuple[int, ...] | None, dp: int) -> list[list[int]]:
+        steps = []
+        for step in range(3):
+            union = []
+            for rank in range(dp):
+                sampler = GlobalBatchSampler(50, global_batch_size=8, dp_size=dp, dp_rank=rank, seed=3,
+                                             first_step=lambda step=step: step, shares=shares)
+                union += next(iter(sampler))
+            steps.append(union)
+        return steps
+
+    single = step_samples(None, 1)
+    assert step_samples(None, 2) == step_samples((6, 2), 2) == step_samples((2, 6), 2) == step_samples((1, 3, 4), 3) == single
+
+
+@pytest.mark.pure
+@pytest.mark.parametrize(("shares", "message"), [
+    ((6, 2, 1), "must be 2 positive sample counts"),
+    ((6, 0), "must be 2 positive sample counts"),
+    ((6, 4), "add up to 10, not the global batch 8"),
+    ((5, 3), r"do not each split into gas 2 equal micro-batches"),
+])
+def test_bad_shares_are_one_line(shares: tuple[int, ...], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        check_shares(shares, global_batch_size=8, dp_size=2, gas=2)
+
+
+# --- the runtime and the decision -----------------------------------------------------------------------------------
+
+
+@pytest.mark.pure
+def test_deepspeed_runs_uneven_replicas_outside_a_pipeline_only() -> None:
+    assert DEEPSPEED.refusal(parse_partial_plan("dp_mbs=3/1,zero=3"), HOOKS) is None
+    why = DEEPSPEED.refusal(parse_partial_plan("dp_mbs=3/1,pp=2"), HOOKS)
+    assert why is not None and "computes the loss itself" in why and "use pp=1 with dp_mbs" in why
+    assert ANY.refusal(parse_partial_plan("dp_mbs=3/1,pp=2"), HOOKS) is None
+
+
+@pytest.mark.pure
+def test_the_decision_plans_the_rest_for_the_largest_and_prices_the_real_sizes() -> None:
+    module = facts(gbs=32)
+    decision = run(module, world=4, plan="dp_mbs=5/1/1/1")
+    chosen = decision.plan
+    assert chosen.dp_mbs == (5, 1, 1, 1) and chosen.mbs == 5 and chosen.gas == 32 // 8
+    assert (chosen.tp, chosen.pp) == (1, 1) and chosen.global_batch_size == 32
+    assert decision.estimate == estimate(module.spec, make_cluster(devices_per_node=4), chosen, overlaps=DEEPSPEED.overlaps)
+    as_even = estimate(dataclasses.replace(module.spec, global_batch_size=4 * 5 * 4), make_cluster(devices_per_node=4),
+                       chosen.replace(dp_mbs=None), overlaps=DEEPSPEED.overlaps)
+    assert decision.estimate.time == as_even.time and decision.estimate.memory == as_even.memory  # paced by the largest
+    assert decision.estimate.samples_per_s == pytest.approx(32 / as_even.time.step_s)
+
+
+@pytest.mark.pure
+def test_uneven_sizes_are_refused_for_a_loss_that_depends_on_the_micro_batch_and_for_a_bad_total() -> None:
+    with pytest.raises(FleetError, match="the loss depends on the micro-batch .* leave dp_mbs out"):
+        run(facts(batch_dependent=True), world=2, plan="dp_mbs=3/1")
+    with pytest.raises(FleetError, match="takes 5 samples a micro-step, which does not make the global batch 32"):
+        run(facts(), world=2, plan="dp_mbs=3/2")
+    with pytest.raises(FleetError, match="pipeline engine computes the loss itself"):
+        run(facts(), world=4, plan="dp_mbs=3/1,pp=2")
+
+
+@pytest.mark.pure
+def test_a_checkpoint_continues_under_another_split_of_the_same_layout() -> None:
+    text = "dp=4,tp=1,pp=1,zero=2,mbs=2,gas=4,recompute=none,sp=false,vpp=1,offload=none"
+    resume = resume_of("/c/step-000000007", manifest(text, 4), 4)
+    assert resume.kind is ResumeKind.CONTINUE
+    decision = run(facts(), world=4, resume=resume, plan="dp_mbs=5/1/1/1")
+    assert decision.plan == parse_plan(text).replace(mbs=5, gas=4, dp_mbs=(5, 1, 1, 1))
+    back = resume_of("/c/step-000000009", manifest(str(decision.plan), 4), 4)
+    assert run(facts(), world=4, resume=back, plan="mbs=2").plan == parse_plan(text)  # and back to even
+    assert run(facts(), world=4, resume=back).plan == decision.plan  # nothing fixed: the checkpoint's split continues
+    with pytest.raises(FleetError, match="but this job fixes dp=2, mbs=3, dp_mbs=3/1: drop those"):
+        run(facts(), world=4, resume=resume, plan="dp_mbs=3/1")  # two replicas: another layout, not another split
+    with pytest.raises(FleetError, match="with the fixed mbs=3 takes 24 samples a step, not the global batch 32"):
+        run(facts(), world=4, resume=resume, plan="mbs=3")
+    with pytest.raises(FleetError, match="but this job fixes zero=3"):
+        run(facts(), world=4, resume=resume, plan="zero=3,dp_mbs=5/1/1/1")
+    assert isinstance(resume, Resume) and isinstance(decision.plan, Plan)
+
+
+# --- real training: 2 processes, gloo, DeepSpeed --------------------------------------------------------------------
+
+STEPS, GBS = 6, 8
+UNEVEN = ["dp=2,zero=0,dp_mbs=3/1", "dp=2,zero=1,dp_mbs=1/3", "dp=2,zero=2,dp_mbs=3/1", "dp=2,zero=3,dp_mbs=3/1"]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    from tests.reference import reference_run
+
+    return reference_run(STEPS, GBS)
+
+
+def _matches_reference(result: dict, reference: tuple, text: str) -> None:
+    ref_loss, ref_state = reference
+    assert result["global_step"] == STEPS
+    assert parse_plan(result["plan"]).dp_mbs == parse_plan(text, global_batch_size=GBS).dp_mbs, result["plan"]
+    assert result["eval_loss"] == pytest.approx(ref_loss, rel=1e-6)
+    for name, tensor in result["state"].items():
+        torch.testing.assert_close(tensor, ref_state[name], atol=2e-6, rtol=1e-6, msg=f"{text}: {name}")
+
+
+@pytest.mark.multiprocess
+def test_uneven_replicas_train_the_single_process_model_at_every_zero_stage(tmp_path, reference) -> None:
+    """Replica 0 takes 3 samples a micro-batch and replica 1 one (or the other way round), 2 micro-batches a step: the
+    weights after 6 AdamW steps equal the one-process reference at ZeRO 0-3 (with the replicas' losses unweighted they
+    would not: the gradient would weight replica 1's two samples like replica 0's six)."""
+    from tests.multiprocess import run_worker
+
+    results, _ = run_worker(tmp_path, "--plans", ";".join(UNEVEN), "--steps", str(STEPS), "--gbs", str(GBS), "--cluster", "cpu")
+    for text, result in zip(UNEVEN, results):
+        _matches_reference(result, reference, text)
+
+
+@pytest.mark.multiprocess
+def test_a_checkpoint_taken_under_one_split_resumes_under_another(tmp_path, reference) -> None:
+    """3 steps with replicas at 3/1, a checkpoint, then a new job resumes it at 1/3 to step 6: the reference's weights."""
+    from tests.multiprocess import run_worker
+
+    common = ["--gbs", str(GBS), "--cluster", "cpu"]
+    run_worker(tmp_path, "--plans", "dp=2,zero=1,dp_mbs=3/1", *common, "--steps", "3", "--save-to", str(tmp_path / "ckpt"))
+    results, _ = run_worker(tmp_path, "--plans", "dp=2,zero=1,dp_mbs=1/3", *common, "--steps", str(STEPS),
+                            "--resume-from", str(tmp_path / "ckpt"))
+    _matches_reference(results[0], reference, "dp=2,zero=1,dp_mbs=1/3")
