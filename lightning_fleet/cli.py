@@ -38,7 +38,7 @@ from lightning_fleet.planning import (
 )
 from lightning_fleet.planning.cluster import GIB
 from lightning_fleet.planning.overlap import OVERLAP_NAMES, Overlaps
-from lightning_fleet.planning.search import explain_misfit, explain_tight
+from lightning_fleet.planning.search import explain_misfit, explain_tight, uneven_split_line
 from lightning_fleet.runtime import RUNTIMES, capabilities_of
 from lightning_fleet.runtime.base import Capabilities, ModuleHooks
 
@@ -298,6 +298,8 @@ def _print_plan(result: PlanResult, model: ModelSpec, cluster: ClusterSpec) -> N
             f"{term} {seconds:.3g} s",
         )
     console.print(table)
+    if result.even_best is not None:
+        console.print(uneven_split_line(result, cluster))
     if result.rejected:
         why = Table("not chosen", "why", title="runners-up, then misfits (closest first)")
         why.columns[0].overflow = "fold"
@@ -376,6 +378,8 @@ def _run(argv: Sequence[str] | None) -> int:
     if job.offline is not None:
         fixed, notes = job.offline.pinned(fixed)
     constraints = _constraints(args, runtime, job.hooks, fixed)
+    if job.offline is not None and job.offline.profile.batch_dependent is not False:  # as the strategy decides
+        constraints = dataclasses.replace(constraints, search_dp_mbs=False)
     result = plan(model, cluster, top=args.top, exhaustive=bool(args.plot), constraints=constraints)
     if args.plot:
         from lightning_fleet.plotting import plot_candidates

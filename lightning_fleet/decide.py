@@ -13,7 +13,7 @@ what a user may fix or ask for is :class:`JobOptions`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from lightning_fleet.elastic.layout import Manifest
@@ -183,7 +183,12 @@ def decide(
 
 
 def _constraints(module: ModuleFacts, options: JobOptions, capabilities: Capabilities, resume: Resume) -> Constraints:
-    """What the runtime executes for this module, narrowed by the options (resharding narrows further)."""
+    """What the runtime executes for this module, narrowed by the options (resharding narrows further); the planner
+    splits the batch unevenly over devices that differ only for a loss known not to depend on the micro-batch."""
+    return replace(_runtime_constraints(module, options, capabilities, resume), search_dp_mbs=module.batch_dependent is False)
+
+
+def _runtime_constraints(module: ModuleFacts, options: JobOptions, capabilities: Capabilities, resume: Resume) -> Constraints:
     if resume.kind is ResumeKind.RESHARD:
         return capabilities.reshard_constraints(
             module.hooks,

@@ -189,7 +189,8 @@ def test_rejection_kind_is_exported_and_required():
 
 
 def test_heterogeneous_cluster_plans_on_the_slowest_device():
-    """Two device kinds: the planner uses the smaller memory and the lower peak."""
+    """Two device kinds: an even split is planned with the smaller memory and the lower peak (the uneven split the
+    planner may choose instead: tests/test_hetero_plan.py)."""
     from lightning_fleet.planning import cluster_from_dict
 
     data = {
@@ -204,7 +205,7 @@ def test_heterogeneous_cluster_plans_on_the_slowest_device():
     mixed = cluster_from_dict(data)
     device = mixed.planning_device()
     assert (device.memory_gib, device.peak_tflops.bf16) == (40, 100)
-    result = plan(make_model(), mixed, top=1)
+    result = plan(make_model(), mixed, top=1, search_dp_mbs=False)
     assert result.best.memory.limit_bytes == 40 * 1024**3
     assert result.best.plan.world_size == 8
 

@@ -186,6 +186,24 @@ class LinkSpec:
         )
 
 
+def slowest_device(devices: list[DeviceSpec]) -> DeviceSpec:
+    """One device no better than any of ``devices``: the least memory, the lowest peak per number format and memory
+    bandwidth (none where one states none); the device itself when they are all alike."""
+    if len(set(devices)) == 1:
+        return devices[0]
+    peak = PeakTflops(
+        bf16=min(d.peak_tflops.bf16 for d in devices),
+        fp16=min(d.peak_tflops.fp16 for d in devices),
+        fp32=min(d.peak_tflops.fp32 for d in devices),
+    )
+    names = "/".join(dict.fromkeys(d.name for d in devices))
+    bandwidths = [d.memory_GBps for d in devices]
+    return DeviceSpec(
+        name=f"slowest of {names}", memory_gib=min(d.memory_gib for d in devices), peak_tflops=peak,
+        memory_GBps=None if None in bandwidths else min(b for b in bandwidths if b is not None),
+    )
+
+
 def _without_unknown_bandwidth(group: dict[str, Any]) -> dict[str, Any]:
     """A group's mapping without ``device.memory_GBps`` where it is not known (None is the default it reads back as)."""
     if group["device"].get("memory_GBps") is None:
@@ -379,20 +397,22 @@ class ClusterSpec:
     def planning_device(self) -> DeviceSpec:
         """The device plans are made for: the least memory, the lowest peak and memory bandwidth of any group (no
         bandwidth where a group states none)."""
-        devices = [g.device for g in self.groups]
-        if len(set(devices)) == 1:
-            return devices[0]
-        peak = PeakTflops(
-            bf16=min(d.peak_tflops.bf16 for d in devices),
-            fp16=min(d.peak_tflops.fp16 for d in devices),
-            fp32=min(d.peak_tflops.fp32 for d in devices),
-        )
-        names = "/".join(dict.fromkeys(d.name for d in devices))
-        bandwidths = [d.memory_GBps for d in devices]
-        return DeviceSpec(
-            name=f"slowest of {names}", memory_gib=min(d.memory_gib for d in devices), peak_tflops=peak,
-            memory_GBps=None if None in bandwidths else min(bandwidths),  # type: ignore[type-var]
-        )
+        return slowest_device([g.device for g in self.groups])
+
+    def rank_device(self, rank: int) -> DeviceSpec:
+        """The device of global rank ``rank``: ranks fill the groups in order, node by node (as a launcher numbers them)."""
+        if not 0 <= rank < self.world_size:
+            raise SpecError(f"cluster {self.name}: rank {rank} is not one of its ranks 0..{self.world_size - 1}")
+        for group in self.groups:
+            size = group.nodes * group.devices_per_node
+            if rank < size:
+                return group.device
+            rank -= size
+        raise AssertionError("unreachable: rank checked against world_size")
+
+    def with_device(self, device: DeviceSpec) -> "ClusterSpec":
+        """The same nodes and links with ``device`` in every node (the view a plan takes of one replica's devices)."""
+        return dataclasses.replace(self, groups=tuple(dataclasses.replace(g, device=device) for g in self.groups))
 
     def link(self, level: LinkLevel) -> LinkSpec:
         """The link spec of one level."""

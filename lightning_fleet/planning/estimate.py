@@ -15,12 +15,12 @@ from typing import Any
 
 from lightning_fleet.planning import memory as mem
 from lightning_fleet.planning import time as tm
-from lightning_fleet.planning.cluster import GIB, Calibration, ClusterSpec, DeviceSpec, LinkLevel, LinkSpec
+from lightning_fleet.planning.cluster import GIB, Calibration, ClusterSpec, DeviceSpec, LinkLevel, LinkSpec, slowest_device
 from lightning_fleet.planning.comm import axis_level
 from lightning_fleet.planning.errors import PlanError
 from lightning_fleet.planning.model import ModelSpec, Precision, Role
 from lightning_fleet.planning.overlap import Overlaps
-from lightning_fleet.planning.plan import Axis, Offload, Plan, Recompute
+from lightning_fleet.planning.plan import Axis, Coordinates, Offload, Plan, Recompute
 from lightning_fleet.planning.stages import StageLoad, stage_loads, with_stage_layers
 
 
@@ -598,4 +598,32 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, plan: Plan, overlaps: Overl
     PlanError if the plan is invalid there.
     The estimate's plan names its layer split when the split is uneven (:func:`stages.with_stage_layers`)."""
     check_plan(model, cluster, plan)
+    if plan.dp_mbs is not None and not cluster.is_homogeneous:
+        return _estimate_replicas(model, cluster, with_stage_layers(model, plan), overlaps)
     return estimate_with(model, Hardware.of(cluster, model), with_stage_layers(model, plan), overlaps=overlaps)
+
+
+def replica_devices(cluster: ClusterSpec, plan: Plan) -> tuple[DeviceSpec, ...]:
+    """The device each data-parallel replica of ``plan`` runs on, first to last: the slowest of its ranks' devices
+    (:func:`cluster.slowest_device`), its ranks placed by the plan's order (:meth:`Plan.rank_at`)."""
+    out = []
+    for r in range(plan.dp):
+        ranks = [plan.rank_at(Coordinates(dp=r, tp=t, pp=p)) for t in range(plan.tp) for p in range(plan.pp)]
+        out.append(slowest_device([cluster.rank_device(rank) for rank in ranks]))
+    return tuple(out)
+
+
+def _estimate_replicas(model: ModelSpec, cluster: ClusterSpec, plan: Plan, overlaps: Overlaps) -> Estimate:
+    """A plan whose replicas differ in micro-batch size on a cluster whose devices differ: each replica priced as the
+    same plan with its own micro-batch on a cluster of its own device (at the batch of every replica running that
+    size), the step paced by the slowest replica, the memory that of the replica with the least headroom; the
+    data-parallel collectives are the same for every replica (they move the same parameters over the same links)."""
+    per_replica = {}
+    for device, mbs in zip(replica_devices(cluster, plan), (plan.replica_mbs(r) for r in range(plan.dp))):
+        if (device, mbs) not in per_replica:
+            alike = dataclasses.replace(model, global_batch_size=plan.dp * mbs * plan.gas)
+            even = plan.replace(mbs=mbs, dp_mbs=None)
+            per_replica[(device, mbs)] = estimate_with(alike, Hardware.of(cluster.with_device(device), alike), even, overlaps=overlaps)
+    slowest = max(per_replica.values(), key=lambda e: e.time.step_s)
+    tightest = max(per_replica.values(), key=lambda e: e.memory.shortfall_bytes())
+    return Estimate(model=model, plan=plan, memory=tightest.memory, time=slowest.time, world_size=cluster.world_size)

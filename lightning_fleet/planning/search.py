@@ -44,11 +44,11 @@ import heapq
 import itertools
 import struct
 import time as _clock
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from lightning_fleet.planning.cluster import GIB, ClusterSpec, LinkLevel
+from lightning_fleet.planning.cluster import GIB, ClusterSpec, DeviceSpec, LinkLevel
 from lightning_fleet.planning.comm import axis_level
 from lightning_fleet.planning.errors import NoFeasiblePlanError, PlanError
 from lightning_fleet.planning.estimate import (
@@ -58,9 +58,11 @@ from lightning_fleet.planning.estimate import (
     StateBytes,
     TimeModel,
     check_recompute,
+    estimate_with,
     stage_state_bytes,
 )
 from lightning_fleet.planning.estimate import estimate as estimate_plan
+from lightning_fleet.planning.estimate import replica_devices
 from lightning_fleet.planning.memory import MemoryEstimate
 from lightning_fleet.planning.model import ModelSpec
 from lightning_fleet.planning.overlap import Overlaps
@@ -126,6 +128,10 @@ class Constraints:
     """Allow data-parallel replicas with different micro-batch sizes (``dp_mbs``, given by the user, never searched)."""
     uneven_dp_with_pp: bool = True
     """Allow them inside a pipeline (False: a plan with dp_mbs has pp=1)."""
+    search_dp_mbs: bool = True
+    """On a cluster whose devices differ, let the planner give the replicas different micro-batch sizes, each replica's
+    share of the batch by its speed and within its memory (:func:`balance_micro_batches`). Off for a loss that may depend
+    on the micro-batch (the decision turns it off unless the module is known not to)."""
     dp_mbs: tuple[int, ...] | None = None
     """Exact micro-batch size of each data-parallel replica of every plan (dp is its length, mbs its largest): the
     search plans the rest as for every replica running the largest (what the busiest device holds and computes), and
@@ -321,19 +327,32 @@ class PlanResult:
     otherwise the top plans and the runners-up among those the bounds did not skip."""
     misfit_plans: tuple[Plan, ...] = field(default=(), repr=False)
     """The variant closest to fitting of every family that did not fit (for plots)."""
+    even_best: Estimate | None = None
+    """On a cluster whose devices differ, when the best plan splits the batch unevenly (``dp_mbs``): the best plan with
+    one micro-batch size on every replica, which is what planning on the slowest device gives."""
 
     @property
     def best(self) -> Estimate:
         """The chosen plan."""
         return self.plans[0]
 
+    @property
+    def speedup_over_even(self) -> float | None:
+        """Step time of :attr:`even_best` over the best plan's (None when there is no uneven best)."""
+        return None if self.even_best is None else self.even_best.time.step_s / self.best.time.step_s
+
     def to_dict(self) -> dict[str, object]:
-        """The JSON object of ``fleet plan --json``."""
-        return {
+        """The JSON object of ``fleet plan --json`` (with ``even_best`` and ``speedup_over_even`` when the best plan
+        splits the batch unevenly over devices that differ)."""
+        out: dict[str, object] = {
             "plans": [e.to_dict() for e in self.plans],
             "rejected": [r.to_dict() for r in self.rejected],
             "search": {"candidates": self.candidates, "feasible": self.feasible, "seconds": self.seconds},
         }
+        if self.even_best is not None:
+            out["even_best"] = self.even_best.to_dict()
+            out["speedup_over_even"] = self.speedup_over_even
+        return out
 
 
 def divisors(n: int) -> list[int]:
@@ -942,6 +961,11 @@ def plan(
     ranked = sorted(search.feasible, key=_rank_key)
     if cons.search_placement and cons.order is None:
         ranked = search.refine_placements(ranked)
+    even_best = None
+    if not cluster.is_homogeneous and cons.uneven_dp and cons.search_dp_mbs and cons.mbs is None:
+        uneven = [e for e in (_rebalanced(model, cluster, cons, e) for e in ranked[: top + max(max_rejected, 0)]) if e is not None]
+        if uneven and min(e.time.step_s for e in uneven) < ranked[0].time.step_s:
+            even_best, ranked = ranked[0], sorted([*uneven, *ranked], key=_rank_key)
     best = ranked[0]
     slower = [_slower_rejection(e, best) for e in ranked[top : top + max_rejected]]
     closest = sorted(search.misfits, key=lambda m: m.shortfall_bytes)[:max_rejected]
@@ -954,7 +978,78 @@ def plan(
         seconds=_clock.perf_counter() - started,
         all_feasible=tuple(ranked),
         misfit_plans=tuple(m.plan for m in search.misfits),
+        even_best=even_best,
     )
+
+
+def uneven_split_line(result: PlanResult, cluster: ClusterSpec) -> str:
+    """One line for a best plan that splits the batch over devices that differ: the micro-batch each device type's
+    replicas take, and the speed-up over :attr:`PlanResult.even_best` (planning on the slowest device)."""
+    best, even = result.best, result.even_best
+    assert even is not None
+    groups: dict[str, list[int]] = {}
+    for device, r in zip(replica_devices(cluster, best.plan), range(best.plan.dp)):
+        groups.setdefault(device.name, []).append(best.plan.replica_mbs(r))
+    parts = [f"{len(sizes)} replica{'s' if len(sizes) > 1 else ''} on {name} at mbs {field_text(tuple(sorted(set(sizes), reverse=True)))}"
+             for name, sizes in groups.items()]
+    return (
+        f"uneven split: {'; '.join(parts)}: {result.speedup_over_even:.2f}x the throughput of the best even split "
+        f"({even.plan}: {even.time.step_s:.4g} s, what planning on the slowest device gives)"
+    )
+
+
+def balance_micro_batches(step_s: Callable[[int, int], float | None], replicas: int, total: int) -> tuple[int, ...] | None:
+    """Micro-batch sizes for ``replicas`` replicas adding up to ``total`` that minimise the slowest replica's step:
+    ``step_s(replica, mbs)`` is that replica's step time with micro-batches of ``mbs`` (None: it does not fit), never
+    shorter for a larger ``mbs``. Every replica starts at one sample; each further sample goes to the replica whose step
+    grows least with it (optimal for a min-max of non-decreasing costs). None when they cannot hold ``total``."""
+    if total < replicas:
+        return None
+    sizes = [1] * replicas
+    if any(step_s(r, 1) is None for r in range(replicas)):
+        return None
+    heap = []
+    for r in range(replicas):
+        grown = step_s(r, 2)
+        if grown is not None:
+            heap.append((grown, r))
+    heapq.heapify(heap)
+    for _ in range(total - replicas):
+        if not heap:
+            return None
+        _, r = heapq.heappop(heap)
+        sizes[r] += 1
+        grown = step_s(r, sizes[r] + 1)
+        if grown is not None:
+            heapq.heappush(heap, (grown, r))
+    return tuple(sizes)
+
+
+def _rebalanced(model: ModelSpec, cluster: ClusterSpec, cons: Constraints, even: Estimate) -> Estimate | None:
+    """``even``'s layout with each replica's micro-batch sized to its devices (:func:`balance_micro_batches`, the same
+    samples per micro-step and gas), priced per replica; None when that split is the even one, or no split fits."""
+    plan = even.plan
+    if plan.dp == 1 or plan.pp > 1 and not cons.uneven_dp_with_pp:
+        return None
+    devices = replica_devices(cluster, plan)
+    if len(set(devices)) == 1:
+        return None
+    cache: dict[tuple[DeviceSpec, int], float | None] = {}
+
+    def step_s(replica: int, mbs: int) -> float | None:
+        key = (devices[replica], mbs)
+        if key not in cache:
+            alike = dataclasses.replace(model, global_batch_size=plan.dp * mbs * plan.gas)
+            e = estimate_with(alike, Hardware.of(cluster.with_device(devices[replica]), alike), plan.replace(mbs=mbs, dp_mbs=None),
+                              overlaps=cons.overlaps)
+            cache[key] = e.time.step_s if e.fits else None
+        return cache[key]
+
+    sizes = balance_micro_batches(step_s, plan.dp, plan.dp * plan.mbs)
+    if sizes is None or len(set(sizes)) == 1:
+        return None
+    uneven = estimate_plan(model, cluster, plan.replace(mbs=max(sizes), dp_mbs=sizes), overlaps=cons.overlaps)
+    return uneven if uneven.fits else None
 
 
 def _plan_uneven_dp(

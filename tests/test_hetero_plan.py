@@ -1,0 +1,102 @@
+"""Planning on a cluster whose devices differ (issue 14): which device each rank and replica has, the min-max split of a
+micro-step's samples over replicas (balance_micro_batches), the per-replica estimate, and the planner choosing an
+uneven split and saying how much it gains over planning on the slowest device.
+
+Every expected value is a literal, a visible arithmetic expression, or the estimate of a homogeneous view it names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from lightning_fleet.cli import main
+from lightning_fleet.planning import FleetError, estimate, load_cluster, load_model, parse_plan, plan
+from lightning_fleet.planning.cluster import DeviceSpec, PeakTflops, slowest_device
+from lightning_fleet.planning.estimate import replica_devices
+from lightning_fleet.planning.search import balance_micro_batches
+
+pytestmark = pytest.mark.pure
+
+MIXED = load_cluster("mixed-h100-a100")  # 2 nodes x 8 H100, then 2 nodes x 8 A100
+H100, A100 = MIXED.groups[0].device, MIXED.groups[1].device
+
+
+def test_ranks_fill_the_groups_in_order_node_by_node() -> None:
+    assert [MIXED.rank_device(r).name for r in (0, 15, 16, 31)] == [H100.name, H100.name, A100.name, A100.name]
+    with pytest.raises(FleetError, match="rank 32 is not one of its ranks 0..31"):
+        MIXED.rank_device(32)
+    assert MIXED.with_device(A100).is_homogeneous and MIXED.with_device(A100).world_size == 32
+
+
+def test_the_slowest_device_takes_the_least_of_each_figure() -> None:
+    small_fast = DeviceSpec(name="a", memory_gib=40, peak_tflops=PeakTflops(bf16=300, fp16=300, fp32=20), memory_GBps=3000)
+    big_slow = DeviceSpec(name="b", memory_gib=80, peak_tflops=PeakTflops(bf16=100, fp16=200, fp32=10), memory_GBps=1000)
+    worst = slowest_device([small_fast, big_slow])
+    assert (worst.memory_gib, worst.peak_tflops, worst.memory_GBps) == (40, PeakTflops(bf16=100, fp16=200, fp32=10), 1000)
+    assert slowest_device([big_slow, big_slow]) is big_slow
+
+
+def test_a_replica_runs_on_the_slowest_of_its_ranks() -> None:
+    assert replica_devices(MIXED, parse_plan("dp=32,mbs=1,gas=1")) == (H100,) * 16 + (A100,) * 16
+    assert replica_devices(MIXED, parse_plan("dp=4,tp=8,mbs=1,gas=1")) == (H100, H100, A100, A100)
+    # a pipeline of 2 stages placed outside dp: replica r's stages are ranks r and r + 16, an H100 and an A100
+    assert replica_devices(MIXED, parse_plan("dp=16,pp=2,mbs=1,gas=1")) == (slowest_device([H100, A100]),) * 16
+
+
+def test_min_max_split_by_hand() -> None:
+    """Replica 0 takes m seconds for m samples, replica 1 three times as long: 8 samples go 6/2 (both 6 s)."""
+    def step_s(replica: int, mbs: int) -> float:
+        return float(mbs) * (1 if replica == 0 else 3)
+
+    assert balance_micro_batches(step_s, 2, 8) == (6, 2)
+    capped = lambda replica, mbs: None if replica == 0 and mbs > 4 else step_s(replica, mbs)  # noqa: E731
+    assert balance_micro_batches(capped, 2, 8) == (4, 4)  # replica 0 holds at most 4
+    assert balance_micro_batches(lambda replica, mbs: None if mbs > 3 else 1.0, 2, 8) is None  # 2 x 3 < 8
+    assert balance_micro_batches(step_s, 3, 2) is None  # fewer samples than replicas
+    assert balance_micro_batches(step_s, 2, 2) == (1, 1)
+
+
+def test_a_forced_uneven_plan_on_mixed_devices_is_paced_by_its_slowest_replica() -> None:
+    model = load_model("gpt-1.7b")
+    text = "dp=32,gas=2," + "dp_mbs=" + "/".join(["12"] * 16 + ["4"] * 16)
+    uneven = estimate(model, MIXED, parse_plan(text, global_batch_size=512))
+    per_device = {}
+    for device, mbs in ((H100, 12), (A100, 4)):
+        alike = dataclasses.replace(model, global_batch_size=32 * mbs * 2)
+        per_device[device.name] = estimate(alike, MIXED.with_device(device), parse_plan(f"dp=32,mbs={mbs},gas=2"))
+    assert uneven.time == max((e.time for e in per_device.values()), key=lambda t: t.step_s)
+    assert uneven.memory == max((e.memory for e in per_device.values()), key=lambda m: m.shortfall_bytes())
+    assert uneven.samples_per_s == pytest.approx(512 / uneven.time.step_s)
+
+
+def test_the_planner_splits_unevenly_and_says_what_it_gains_over_the_slowest_device() -> None:
+    model = load_model("gpt-1.7b")
+    result = plan(model, MIXED, top=3)
+    best, even = result.best, result.even_best
+    assert best.plan.dp_mbs is not None and even is not None and even.plan.dp_mbs is None
+    assert result.speedup_over_even == even.time.step_s / best.time.step_s > 1.3
+    sizes = best.plan.dp_mbs
+    devices = replica_devices(MIXED, best.plan)
+    assert min(s for s, d in zip(sizes, devices) if d == H100) > max(s for s, d in zip(sizes, devices) if d == A100)
+    assert best.fits and best.plan.global_batch_size == 512
+    slowest = plan(model, MIXED, top=1, search_dp_mbs=False)  # what planning on the slowest device gives
+    assert slowest.best == even and slowest.even_best is None
+    homogeneous = plan(model, MIXED.with_device(slowest_device([H100, A100])), top=1)
+    assert homogeneous.best.time == even.time
+
+
+def test_fleet_plan_prints_the_split_per_device_and_the_json_carries_it(capsys) -> None:
+    assert main(["plan", "--model", "gpt-1.7b", "--cluster", "mixed-a100-v100", "--top", "1"]) == 0
+    out = capsys.readouterr().out
+    line = " ".join(out[out.index("uneven split:"):].split())
+    assert "replicas on A100-SXM4-80GB at mbs" in line and "replicas on V100-SXM2-32GB at mbs" in line
+    assert "x the throughput of the best even split" in line and "planning on the slowest device" in line
+    assert main(["plan", "--model", "gpt-1.7b", "--cluster", "mixed-a100-v100", "--top", "1", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["speedup_over_even"] > 1 and len(data["plans"][0]["plan"]["dp_mbs"]) == data["plans"][0]["plan"]["dp"]
+    assert "dp_mbs" not in data["even_best"]["plan"]
+    assert main(["plan", "--model", "gpt-1.7b", "--cluster", "dgx-a100-80gb", "--top", "1", "--json"]) == 0
+    assert "speedup_over_even" not in json.loads(capsys.readouterr().out)  # one device type: nothing to balance
