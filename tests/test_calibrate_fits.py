@@ -399,3 +399,23 @@ def test_measure_attention_times_the_cpu_fused_kernel_on_tiny_shapes() -> None:
     assert fit is not None and fit.backend == "FLASH_ATTENTION" and fit.precision == "fp32" and len(fit.points) == 2
     assert all(p.gemm_flops_per_s == 1e11 and 0 < p.forward_s < p.total_s for p in fit.points)
     assert math.isfinite(fit.efficiency) and 0 < fit.efficiency <= 10
+
+
+@pytest.mark.unit
+def test_one_process_has_one_speed_and_no_per_rank_devices(monkeypatch) -> None:
+    """Without a process group every rank-wide figure is this process' own, and one rank never differs from itself;
+    the sustained probe runs its GEMMs back to back for RANK_PROBE_S (the mean over the span, not a median)."""
+    import time
+
+    import torch
+
+    from lightning_fleet.calibrate import measure
+
+    assert measure.all_ranks(3.5, torch.device("cpu")) == [3.5]
+    monkeypatch.setattr(measure, "RANK_PROBE_S", 0.05)
+    start = time.perf_counter()
+    rate = measure.sustained_rate(torch.device("cpu"), width=64)
+    assert time.perf_counter() - start >= 0.05 and rate > 0
+    monkeypatch.setattr(measure, "matmul_rate", lambda *args, **kwargs: 2e11)
+    _, _, ranks = measure._device_spec(torch.device("cpu"), measure.WorldShape(world_size=1, local_world_size=1, num_nodes=1), 0.0)
+    assert ranks == ()

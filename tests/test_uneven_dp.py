@@ -8,6 +8,8 @@ Every expected value is a literal or a visible arithmetic expression.
 from __future__ import annotations
 
 import dataclasses
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -221,3 +223,32 @@ def test_a_checkpoint_taken_under_one_split_resumes_under_another(tmp_path, refe
     results, _ = run_worker(tmp_path, "--plans", "dp=2,zero=1,dp_mbs=1/3", *common, "--steps", str(STEPS),
                             "--resume-from", str(tmp_path / "ckpt"))
     _matches_reference(results[0], reference, "dp=2,zero=1,dp_mbs=1/3")
+
+
+CPU_CGROUPS = Path("/sys/fs/cgroup/cpu")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(os.geteuid() != 0 or not os.access(CPU_CGROUPS, os.W_OK),
+                    reason="needs root and a writable cgroup v1 cpu controller to slow one rank down")
+def test_the_job_measures_each_rank_and_gives_the_slower_one_less(tmp_path, reference, monkeypatch) -> None:
+    """Rank 1 at a 30 % CPU quota (each rank pinned to its own core), no cluster file: the strategy's own measurement
+    sees the ranks differ (ClusterSpec.rank_devices), the planner gives rank 0 the larger micro-batch, and the model
+    trained is still the one-process reference's."""
+    from tests.multiprocess import ROOT, run_worker
+
+    group = CPU_CGROUPS / f"fleet-test-{os.getpid()}"
+    group.mkdir()
+    try:
+        (group / "cpu.cfs_period_us").write_text("10000")
+        (group / "cpu.cfs_quota_us").write_text("3000")
+        monkeypatch.setenv("FLEET_TEST_THROTTLED_CGROUP", str(group))
+        results, log = run_worker(tmp_path, "--plans", "dp=2,zero=1", "--steps", str(STEPS), "--gbs", str(GBS),
+                                  worker=ROOT / "tests" / "workers" / "throttled_gpt.py")
+    finally:
+        for pid in (group / "cgroup.procs").read_text().split():
+            (CPU_CGROUPS / "cgroup.procs").write_text(pid)
+        group.rmdir()
+    chosen = parse_plan(results[0]["plan"])
+    assert chosen.dp_mbs is not None and chosen.dp_mbs[0] > chosen.dp_mbs[1], (results[0]["plan"], log[-3000:])
+    _matches_reference(results[0], reference, results[0]["plan"])

@@ -72,7 +72,7 @@ def summary(measured: Measurement, cluster: ClusterSpec, out: str, seconds: floa
     host = f", host {cluster.host.memory_gib:g} GiB (copies {cluster.host.pcie_GBps:g} GB/s)" if cluster.host is not None else ""
     return [
         f"fleet calibrate: {cluster.world_size} x {group.device.name} on {group.nodes} node(s), measured in {seconds:.1f} s",
-        f"  GEMM peak   {peaks}; half rate at d={c.matmul_half_dim:g}",
+        f"  GEMM peak   {peaks}; half rate at d={c.matmul_half_dim:g}" + _ranks_text(cluster),
         f"  memory      {group.device.memory_gib:g} GiB per device (runtime reserve {c.memory_reserve_gib:g} GiB){host}",
         f"  link        {link}",
         f"  operators   dispatch {c.op_overhead_s * 1e6:.3g} us, element-wise {(c.elementwise_s or 0.0) * 1e9:.3g} ns per element, "
@@ -81,6 +81,14 @@ def summary(measured: Measurement, cluster: ClusterSpec, out: str, seconds: floa
         f"  framework   {probe}",
         f"  written to  {out} (fleet plan --model MODEL --cluster {out})",
     ]
+
+
+def _ranks_text(cluster: ClusterSpec) -> str:
+    """'' when the ranks measured alike, else each rank's fp32 peak (they differ by RANK_SPEED_SPREAD or more)."""
+    if not cluster.rank_devices:
+        return ""
+    peaks = ", ".join(f"{d.peak_tflops.fp32:.3g}" for d in cluster.rank_devices)
+    return f"; ranks differ, fp32 TFLOP/s by rank: {peaks} (each kept: rank_devices)"
 
 
 def _link_text(link: LinkSpec) -> str:

@@ -15,6 +15,7 @@ strategy (to measure a cluster it was not given), by :mod:`lightning_fleet.calib
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import statistics
@@ -225,6 +226,29 @@ def matmul_rate(tokens: int, width: int, device: torch.device, dtype: torch.dtyp
     return 2 * tokens * width * width / max(seconds - dispatch_s, seconds / 10)
 
 
+RANK_PROBE_S = 0.5
+"""How long each rank runs GEMMs back to back to measure its sustained speed (:func:`sustained_rate`): many periods of a
+CPU quota (cgroup ``cpu.cfs_period_us`` is 100 ms by default) or of a shared device's time slices."""
+
+
+def sustained_rate(device: torch.device, dtype: torch.dtype = torch.float32, width: int = 256) -> float:
+    """FLOP/s of [width x width] GEMMs run back to back for RANK_PROBE_S: the mean over the whole span, not the median
+    of short samples that :func:`matmul_rate` takes, so a rank slowed by a CPU quota or a shared device shows the speed
+    it trains at."""
+    a = torch.randn(width, width, device=device, dtype=dtype)
+    b = torch.randn(width, width, device=device, dtype=dtype)
+    sync = _synchronizer(device)
+    calls, start = 0, time.perf_counter()
+    while True:
+        a @ b
+        calls += 1
+        if calls % 8 == 0:
+            sync()
+            if time.perf_counter() - start >= RANK_PROBE_S:
+                break
+    return 2 * width**3 * calls / (time.perf_counter() - start)
+
+
 def collective_seconds(kind: str, nbytes: int, device: torch.device) -> float:
     """Mean time of one collective (a RING_ROUNDS key) over a tensor of ``nbytes`` in all on the default process group,
     by the calls DeepSpeed makes: ``all_reduce`` (its ZeRO-0 gradients, and ZeRO-1/2's too: stage_1_and_2.py reduces
@@ -266,6 +290,16 @@ def _all_gather(whole: torch.Tensor, shard: torch.Tensor) -> None:
     (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(whole, shard)
 
 
+def all_ranks(value: float, device: torch.device) -> list[float]:
+    """``value`` of every rank of the live process group, rank 0 first (``[value]`` without one)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [value]
+    t = torch.tensor([value], device=device, dtype=torch.float64)
+    out = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t)
+    return [float(x.item()) for x in out]
+
+
 def across_ranks(value: float, device: torch.device, op: dist.ReduceOp.RedOpType = dist.ReduceOp.MIN) -> float:
     """``value`` reduced over the live process group (MIN by default; itself without one)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
@@ -280,9 +314,23 @@ def matmul_points(device: torch.device, dtype: torch.dtype, dispatch_s: float) -
     rises (MATMUL_STILL_RISING) and a call stays short (MATMUL_LONGEST_S), so that the fastest GEMM measured is close
     to what large layers reach. Rates are the minimum over ranks, so every rank takes the same decisions (and joins the
     same collectives)."""
+    return matmul_points_by_rank(device, dtype, dispatch_s)[0]
+
+
+def matmul_points_by_rank(
+    device: torch.device, dtype: torch.dtype, dispatch_s: float
+) -> tuple[list[tuple[float, float]], list[list[tuple[float, float]]]]:
+    """:func:`matmul_points` (the minimum over ranks), and every rank's own points at the same shapes, rank 0 first."""
+    by_rank: list[list[tuple[float, float]]] = []
 
     def point(tokens: int, width: int) -> tuple[float, float]:
-        return (tokens * width * width) ** (1 / 3), across_ranks(matmul_rate(tokens, width, device, dtype, dispatch_s), device)
+        edge = (tokens * width * width) ** (1 / 3)
+        rates = all_ranks(matmul_rate(tokens, width, device, dtype, dispatch_s), device)
+        for r, rate in enumerate(rates):
+            if r == len(by_rank):
+                by_rank.append([])
+            by_rank[r].append((edge, rate))
+        return edge, min(rates)
 
     points = [point(t, w) for t, w in MATMUL_SHAPES]
     width = MATMUL_SHAPES[-1][1] * 2
@@ -292,14 +340,25 @@ def matmul_points(device: torch.device, dtype: torch.dtype, dispatch_s: float) -
         if points[-1][1] < MATMUL_STILL_RISING * best:
             break
         width *= 2
-    return points
+    return points, by_rank
 
 
-def _device_spec(device: torch.device, shape: WorldShape, dispatch_s: float) -> tuple[DeviceSpec, dict[str, MatmulFit]]:
-    """The measured device, and the GEMM fit of each precision (``dispatch_s``: the per-operator host time, taken off
-    each GEMM's time). The cluster keeps one half size, fp32's."""
+RANK_SPEED_SPREAD = 1.2
+"""Ranks whose sustained speeds (:func:`sustained_rate`) differ by this factor or more are described one by one
+(``ClusterSpec.rank_devices``), so the planner can give the faster ones more of the batch; closer ones are one device
+(run-to-run noise on a shared VM is ~10 %)."""
+
+
+def _device_spec(
+    device: torch.device, shape: WorldShape, dispatch_s: float
+) -> tuple[DeviceSpec, dict[str, MatmulFit], tuple[DeviceSpec, ...]]:
+    """The measured device (the slowest rank's), the GEMM fit of each precision (``dispatch_s``: the per-operator host
+    time, taken off each GEMM's time), and each rank's own device where their sustained speeds differ by
+    RANK_SPEED_SPREAD or more (else empty): the fastest rank's own fitted peaks, each rank's scaled by its speed over
+    the fastest's. The cluster keeps one half size, fp32's."""
     precisions = (("fp32", torch.float32), ("bf16", torch.bfloat16))
-    fits = {key: fit_matmul(key, matmul_points(device, dtype, dispatch_s)) for key, dtype in precisions}
+    measured = {key: matmul_points_by_rank(device, dtype, dispatch_s) for key, dtype in precisions}
+    fits = {key: fit_matmul(key, points) for key, (points, _) in measured.items()}
     peak = {key: fit.peak_flops / 1e12 for key, fit in fits.items()}
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
@@ -309,7 +368,18 @@ def _device_spec(device: torch.device, shape: WorldShape, dispatch_s: float) -> 
         memory = psutil.virtual_memory().available / GIB / shape.local_world_size
         fp16 = peak["fp32"]  # CPU fp16 matmuls are no faster than fp32
     spec = DeviceSpec(name=name, memory_gib=round(memory, 2), peak_tflops=PeakTflops(bf16=peak["bf16"], fp16=fp16, fp32=peak["fp32"]))
-    return spec, fits
+    speeds = all_ranks(sustained_rate(device), device)
+    if max(speeds) < RANK_SPEED_SPREAD * min(speeds):
+        return spec, fits, ()
+    fastest = speeds.index(max(speeds))
+    own = {key: fit_matmul(key, measured[key][1][fastest]).peak_flops / 1e12 for key in measured}
+    ranks = []
+    for r, speed in enumerate(speeds):
+        scale = speed / speeds[fastest]
+        bf16, fp32 = own["bf16"] * scale, own["fp32"] * scale
+        peak = PeakTflops(bf16=bf16, fp16=bf16 if device.type == "cuda" else fp32, fp32=fp32)
+        ranks.append(dataclasses.replace(spec, name=f"{name} rank {r}", peak_tflops=peak))
+    return spec, fits, tuple(ranks)
 
 
 def _link(device: torch.device, world_size: int) -> LinkSpec:
@@ -550,7 +620,7 @@ def measure(device: torch.device, shape: WorldShape, baseline_rss_bytes: float |
     """
     rss_gib = (psutil.Process().memory_info().rss if baseline_rss_bytes is None else baseline_rss_bytes) / GIB
     dispatch_s = float(f"{across_ranks(op_overhead_s(device), device):.3g}")
-    spec, fits = _device_spec(device, shape, dispatch_s)
+    spec, fits, rank_devices = _device_spec(device, shape, dispatch_s)
     half_dim = fits["fp32"].half_dim
     link = _link(device, shape.world_size)
     per_element_s = float(f"{across_ranks(elementwise_s(device), device, dist.ReduceOp.MAX):.3g}")
@@ -577,6 +647,7 @@ def measure(device: torch.device, shape: WorldShape, baseline_rss_bytes: float |
             memory_reserve_fraction=0.05 if device.type == "cuda" else 0.0,
             memory_reserve_gib=round(1.0 if device.type == "cuda" else rss_gib, 3),
         ),
+        rank_devices=rank_devices,
     )
     return Measurement(cluster=cluster, matmul=tuple(fits.values()), attention=attention)
 

@@ -342,7 +342,7 @@ class DeviceGroup:
 
 
 _HOMOGENEOUS_KEYS = ("nodes", "devices_per_node", "device")
-_COMMON_KEYS = ("name", "intra_node", "inter_node", "host", "calibration")
+_COMMON_KEYS = ("name", "intra_node", "inter_node", "host", "calibration", "rank_devices")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -361,10 +361,17 @@ class ClusterSpec:
     """Host memory and PCIe bandwidth; None forbids offload."""
     calibration: Calibration = Calibration()
     """Fitted constants of the cost model."""
+    rank_devices: tuple[DeviceSpec, ...] = ()
+    """The device each rank measured, rank 0 first, where the ranks differ (the strategy's own measurement of a job
+    whose ranks run at different speeds); empty: every rank has its group's device."""
 
     def __post_init__(self) -> None:
         if not self.groups:
             raise SpecError("cluster needs at least one device group")
+        if self.rank_devices and len(self.rank_devices) != self.world_size:
+            raise SpecError(
+                f"cluster rank_devices lists {len(self.rank_devices)} devices for {self.world_size} ranks: give one per rank"
+            )
         c = self.calibration
         if c.cpu_adam_params_per_s > self.devices_per_node * c.adam_params_per_s:
             # the planner prunes on "offload never makes a step faster"; a host that out-steps its devices breaks that
@@ -392,17 +399,19 @@ class ClusterSpec:
     @property
     def is_homogeneous(self) -> bool:
         """True when every device and node is alike."""
-        return len({(g.devices_per_node, g.device) for g in self.groups}) == 1
+        return len({(g.devices_per_node, g.device) for g in self.groups}) == 1 and len(set(self.rank_devices)) <= 1
 
     def planning_device(self) -> DeviceSpec:
         """The device plans are made for: the least memory, the lowest peak and memory bandwidth of any group (no
         bandwidth where a group states none)."""
-        return slowest_device([g.device for g in self.groups])
+        return slowest_device(list(self.rank_devices) or [g.device for g in self.groups])
 
     def rank_device(self, rank: int) -> DeviceSpec:
         """The device of global rank ``rank``: ranks fill the groups in order, node by node (as a launcher numbers them)."""
         if not 0 <= rank < self.world_size:
             raise SpecError(f"cluster {self.name}: rank {rank} is not one of its ranks 0..{self.world_size - 1}")
+        if self.rank_devices:
+            return self.rank_devices[rank]
         for group in self.groups:
             size = group.nodes * group.devices_per_node
             if rank < size:
@@ -412,7 +421,7 @@ class ClusterSpec:
 
     def with_device(self, device: DeviceSpec) -> "ClusterSpec":
         """The same nodes and links with ``device`` in every node (the view a plan takes of one replica's devices)."""
-        return dataclasses.replace(self, groups=tuple(dataclasses.replace(g, device=device) for g in self.groups))
+        return dataclasses.replace(self, groups=tuple(dataclasses.replace(g, device=device) for g in self.groups), rank_devices=())
 
     def link(self, level: LinkLevel) -> LinkSpec:
         """The link spec of one level."""
@@ -432,6 +441,8 @@ class ClusterSpec:
             out["host"] = to_mapping(self.host)
         if self.calibration != Calibration():
             out["calibration"] = {k: v for k, v in to_mapping(self.calibration).items() if v is not None}
+        if self.rank_devices:
+            out["rank_devices"] = [_without_unknown_bandwidth({"device": to_mapping(d)})["device"] for d in self.rank_devices]
         return out
 
     def to_yaml(self) -> str:
@@ -440,8 +451,9 @@ class ClusterSpec:
 
     def with_nodes(self, nodes: int) -> "ClusterSpec":
         """The same homogeneous cluster with another node count."""
-        if len(self.groups) != 1:
-            raise SpecError(f"cluster {self.name!r} has {len(self.groups)} device groups; only a homogeneous cluster can be resized by node count")
+        if len(self.groups) != 1 or self.rank_devices:
+            what = f"{len(self.groups)} device groups" if len(self.groups) != 1 else "a device measured per rank"
+            raise SpecError(f"cluster {self.name!r} has {what}; only a homogeneous cluster can be resized by node count")
         return dataclasses.replace(self, groups=(dataclasses.replace(self.groups[0], nodes=nodes),))
 
     def with_calibration(self, calibration: Calibration) -> "ClusterSpec":
@@ -474,6 +486,7 @@ class _ClusterRest:
     inter_node: LinkSpec
     host: HostSpec | None = None
     calibration: Calibration = Calibration()
+    rank_devices: tuple[DeviceSpec, ...] = ()
 
 
 def cluster_presets() -> list[str]:
