@@ -38,7 +38,14 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, RandomSampler, Sampler, SequentialSampler
 
 from lightning_fleet import rng
-from lightning_fleet.elastic.sampler import GlobalBatchSampler, MicroBatchCollate, MicroBatches, check_shares, rank_share
+from lightning_fleet.elastic.sampler import (
+    GlobalBatchSampler,
+    MicroBatchCollate,
+    MicroBatches,
+    ShareSchedule,
+    check_shares,
+    rank_share,
+)
 from lightning_fleet.planning import FleetError
 from lightning_fleet.rng import RngState
 
@@ -256,11 +263,11 @@ def step_loader(
     gas: int,
     seed: int,
     first_step: Callable[[], int],
-    shares: tuple[int, ...] | None = None,
+    shares: tuple[int, ...] | ShareSchedule | None = None,
 ) -> DataLoader:
     """A DataLoader that yields this data-parallel rank's :class:`MicroBatches` (``gas`` of them) per optimizer step.
-    ``shares`` (samples per replica and step, :meth:`Plan.replica_samples`) gives the replicas unequal contiguous
-    shares; without it each takes ``global_batch_size / dp_size``.
+    ``shares`` (samples per replica and step, :meth:`Plan.replica_samples`, or a :class:`ShareSchedule` of them by step)
+    gives the replicas unequal contiguous shares; without it each takes ``global_batch_size / dp_size``.
 
     ``first_step()`` is read when an iteration starts (Lightning: ``trainer.global_step``): the position
     is keyed by the global optimizer step, so a resumed or resized job continues exactly. ``seed`` is
@@ -295,11 +302,14 @@ class _StepLoader(DataLoader):
         return super().__iter__()
 
 
-def _check_split(global_batch_size: int, dp_size: int, dp_rank: int, gas: int, shares: tuple[int, ...] | None) -> None:
+def _check_split(
+    global_batch_size: int, dp_size: int, dp_rank: int, gas: int, schedule: tuple[int, ...] | ShareSchedule | None
+) -> None:
     if min(global_batch_size, dp_size, gas) < 1 or not 0 <= dp_rank < dp_size:
         raise FleetError(
             f"step_loader(global_batch_size={global_batch_size}, dp_size={dp_size}, dp_rank={dp_rank}, gas={gas}): out of range"
         )
+    shares = schedule.at(0) if isinstance(schedule, ShareSchedule) else schedule
     if shares is not None:
         try:
             check_shares(shares, global_batch_size=global_batch_size, dp_size=dp_size, gas=gas)
@@ -314,7 +324,7 @@ def _check_split(global_batch_size: int, dp_size: int, dp_rank: int, gas: int, s
 
 def _global_batch_sampler(
     data: TrainingData, global_batch_size: int, dp_size: int, dp_rank: int, seed: int, first_step: Callable[[], int],
-    shares: tuple[int, ...] | None,
+    shares: tuple[int, ...] | ShareSchedule | None,
 ) -> GlobalBatchSampler:
     order = SamplerOrder(data.sampler, seed) if data.sampler is not None else None
     num_samples = len(order) if order is not None else _map_len(data.dataset)
@@ -492,10 +502,11 @@ class StreamSteps(IterableDataset):
         collate: Callable[[list[Any]], MicroBatches],
         seed: int,
         first_step: Callable[[], int],
-        shares: tuple[int, ...] | None = None,
+        shares: tuple[int, ...] | ShareSchedule | None = None,
     ) -> None:
         self.data = data
-        self.global_batch_size, self.dp_size, self.dp_rank, self.shares = global_batch_size, dp_size, dp_rank, shares
+        self.global_batch_size, self.dp_size, self.dp_rank = global_batch_size, dp_size, dp_rank
+        self.schedule = shares if isinstance(shares, ShareSchedule) else ShareSchedule(shares)
         self.collate, self.seed, self.first_step = collate, seed, first_step
         self._reader: _StreamReader | None = None
 
@@ -507,9 +518,13 @@ class StreamSteps(IterableDataset):
         while reader.step < step:
             reader.next_group(may_end_pass=False)
         yielded = 0
-        while (group := reader.next_group(may_end_pass=yielded > 0)) is not None:
+        while True:
+            shares = self.schedule.at(reader.step)  # the global step of the group read next
+            group = reader.next_group(may_end_pass=yielded > 0)
+            if group is None:
+                return
             yielded += 1
-            yield self.collate(rank_share(group, self.dp_size, self.dp_rank, self.shares))
+            yield self.collate(rank_share(group, self.dp_size, self.dp_rank, shares))
 
 
 class _StreamReader:

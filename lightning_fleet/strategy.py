@@ -11,6 +11,7 @@ micro-batches. The plan comes from the planning core, the DeepSpeed calls from t
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sys
@@ -30,14 +31,23 @@ from lightning.fabric.utilities.seed import reset_seed  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy  # noqa: E402
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn  # noqa: E402
 
-from lightning_fleet.calibrate.measure import WorldShape, across_ranks, cache_path, load_cached, measure_cluster, save_cache  # noqa: E402
+from lightning_fleet.calibrate.measure import (  # noqa: E402
+    WorldShape,
+    across_ranks,
+    all_ranks,
+    cache_path,
+    load_cached,
+    measure_cluster,
+    save_cache,
+    sustained_rate,
+)
 from lightning_fleet.data import TrainingData, example_batch, inspect_training_loader, step_loader  # noqa: E402
 from lightning_fleet.decide import Decision, JobOptions, ModuleFacts, Resume, ResumeKind, decide, job_global_batch_size, resume_of  # noqa: E402
 from lightning_fleet.elastic.callback import FleetCheckpoint  # noqa: E402
 from lightning_fleet.elastic.checkpoint import refuse_unsafe_pickles  # noqa: E402
 from lightning_fleet.elastic.compatibility import RESUME_POLICIES, JobFacts, checkpoint_to_continue, job_facts  # noqa: E402
 from lightning_fleet.elastic.layout import MANIFEST, rank_file  # noqa: E402
-from lightning_fleet.elastic.sampler import MicroBatches  # noqa: E402
+from lightning_fleet.elastic.sampler import MicroBatches, ShareSchedule  # noqa: E402
 from lightning_fleet.elastic.worker import (  # noqa: E402
     announce_launch_advice,
     deterministic,
@@ -47,8 +57,10 @@ from lightning_fleet.elastic.worker import (  # noqa: E402
 )
 from lightning_fleet.export import lightning_checkpoint  # noqa: E402
 from lightning_fleet.hooks import find_layers, module_hooks, tensor_parallel_hook  # noqa: E402
-from lightning_fleet.planning import ClusterSpec, Estimate, FleetError, ModelSpec, Plan, Precision, load_cluster  # noqa: E402
-from lightning_fleet.planning.cluster import GIB  # noqa: E402
+from lightning_fleet.planning import ClusterSpec, Estimate, FleetError, ModelSpec, Plan, Precision, estimate, load_cluster  # noqa: E402
+from lightning_fleet.planning.cluster import GIB, PeakTflops  # noqa: E402
+from lightning_fleet.planning.plan import field_text  # noqa: E402
+from lightning_fleet.planning.search import split_by_speed  # noqa: E402
 from lightning_fleet.profiling import Profile, profile  # noqa: E402
 from lightning_fleet.progress import FleetProgress  # noqa: E402
 from lightning_fleet.rng import RngState  # noqa: E402
@@ -91,6 +103,12 @@ class FleetStrategy(DeepSpeedStrategy):
             ``Trainer(log_every_n_steps)`` steps on rank 0 when the progress bar is off, and a summary at the end.
         hand_back: at the end of fit, give the module back as a plain module holding the trained weights on every rank
             (on the CPU, as Lightning's teardown leaves it); skipped when that would not fit the host's memory.
+        rebalance_every_n_steps: every N optimizer steps every rank probes its sustained speed (about
+            ``calibrate.measure.RANK_PROBE_S``); when the speeds have drifted so that another split of each step's
+            samples over the data-parallel replicas is predicted at least REBALANCE_GAIN faster, the replicas' micro-batch
+            sizes (``dp_mbs``) change from a later step on: the same samples form each step and the gradient stays the
+            global batch's mean, so the optimisation does not change. Only for a data-parallel plan (pp=1) of a module
+            whose loss is known not to depend on the micro-batch, under automatic optimization. 0: never.
     """
 
     strategy_name = "fleet"
@@ -114,6 +132,7 @@ class FleetStrategy(DeepSpeedStrategy):
         resume: str = "auto",
         progress: bool = True,
         hand_back: bool = True,
+        rebalance_every_n_steps: int = 100,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -132,6 +151,9 @@ class FleetStrategy(DeepSpeedStrategy):
         for name, value in (("global_batch_size", global_batch_size), ("micro_batch_size", micro_batch_size)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise FleetError(f"FleetStrategy({name}={value!r}): must be a positive integer or None")
+        if isinstance(rebalance_every_n_steps, bool) or not isinstance(rebalance_every_n_steps, int) or rebalance_every_n_steps < 0:
+            raise FleetError(f"FleetStrategy(rebalance_every_n_steps={rebalance_every_n_steps!r}): must be a non-negative integer (0: never)")
+        self.rebalance_every_n_steps = rebalance_every_n_steps
         if resume not in RESUME_POLICIES:
             raise FleetError(f"FleetStrategy(resume={resume!r}): must be one of {', '.join(map(repr, RESUME_POLICIES))}")
         self.options = JobOptions(
@@ -547,6 +569,9 @@ class FleetStrategy(DeepSpeedStrategy):
         if self.plan is None or data is None or trainer is None or trainer.state.stage != RunningStage.TRAINING:
             return dataloader
         plan = self.plan
+        self._fit.shares = ShareSchedule(plan.replica_samples() if plan.dp_mbs is not None else None)
+        workers = data.options.num_workers
+        self._fit.prefetched_steps = 2 + (data.options.prefetch_factor or 2) * workers if workers else 2
         with deterministic_errors():  # e.g. fewer samples than one global batch: every attempt would say so again
             return step_loader(
                 data,
@@ -554,7 +579,7 @@ class FleetStrategy(DeepSpeedStrategy):
                 dp_size=plan.dp,
                 dp_rank=self.dp_rank,
                 gas=plan.gas,
-                shares=plan.replica_samples() if plan.dp_mbs is not None else None,
+                shares=self._fit.shares,
                 seed=_sampler_seed(),
                 first_step=lambda: trainer.global_step,
             )
@@ -566,6 +591,7 @@ class FleetStrategy(DeepSpeedStrategy):
         batch, *rest = args
         if not isinstance(batch, MicroBatches):
             return super().training_step(*args, **kwargs)
+        self._rebalance()
         if self._pipelined():
             return self._pipeline_step(batch)
         if not self.lightning_module.automatic_optimization:  # the plan has one micro-batch; the user steps
@@ -600,13 +626,59 @@ class FleetStrategy(DeepSpeedStrategy):
         return super().backward(self._weighted(closure_loss), optimizer, *args, **kwargs)
 
     def _weighted(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss`` times this replica's :meth:`Plan.loss_weight` when the replicas' micro-batches differ (``dp_mbs``):
-        the runtime averages the replicas' gradients, which is then the mean over the global batch. The loss the user
-        sees (progress bar, logs) stays unweighted."""
-        plan = self.plan
-        if plan is None or plan.dp_mbs is None or not self._engine_in_use():
+        """``loss`` times this replica's share of the step being trained over an equal share, when the replicas' shares
+        differ (``dp_mbs``, :class:`ShareSchedule`): the runtime averages the replicas' gradients, which is then the
+        mean over the global batch. The loss the user sees (progress bar, logs) stays unweighted."""
+        schedule = self._fit.shares
+        shares = schedule.at(self.lightning_module.trainer.global_step) if schedule is not None else None
+        if shares is None or not self._engine_in_use():
             return loss
-        return loss * plan.loss_weight(self.dp_rank)
+        return loss * (len(shares) * shares[self.dp_rank] / sum(shares))
+
+    def _rebalance(self) -> None:
+        """Every ``rebalance_every_n_steps`` steps (collective: every rank trains the same step): probe each rank's
+        sustained speed, split each micro-step's samples by it (:func:`planning.split_by_speed` on the decided cluster
+        with those speeds as its ranks' devices) and, when that is predicted REBALANCE_GAIN faster than the split in
+        use, use it from the first step the data pipeline has not cut yet (the sampler and the loss weights read the
+        same :class:`ShareSchedule`); the plan and its estimate follow from that step on."""
+        trainer, decision, fit = self.lightning_module.trainer, self.decision, self._fit
+        step, every = trainer.global_step, self.rebalance_every_n_steps
+        if decision is None or fit.shares is None:
+            return
+        pending = fit.pending
+        if pending is not None and step >= pending[0]:
+            self.decision, fit.pending = dataclasses.replace(decision, plan=pending[1].plan, estimate=pending[1]), None
+            return
+        if not every or step == 0 or step % every or not self._may_rebalance() or pending is not None:
+            return
+        speeds = all_ranks(sustained_rate(self.root_device), self.root_device)
+        current = decision.estimate
+        cluster = _with_rank_speeds(decision.cluster, speeds)
+        split = split_by_speed(current.model, cluster, current.plan, overlaps=self.backend.capabilities.overlaps)
+        if split is None or split.dp_mbs == current.plan.dp_mbs:
+            return
+        now = estimate(current.model, cluster, current.plan, overlaps=self.backend.capabilities.overlaps)
+        new = estimate(current.model, cluster, split, overlaps=self.backend.capabilities.overlaps)
+        if not new.fits or new.time.step_s * REBALANCE_GAIN > now.time.step_s:
+            return
+        start = step + fit.prefetched_steps
+        shares = split.replica_samples() if split.dp_mbs is not None else None
+        fit.shares.set_from(start, shares)
+        fit.pending = (start, new)
+        sizes = field_text(split.dp_mbs) if split.dp_mbs is not None else f"{split.mbs} on every replica"
+        line = (f"lightning_fleet: rank speeds {'/'.join(f'{v / max(speeds):.2f}' for v in speeds)} at step {step}: "
+                f"micro-batches {sizes} from step {start} (predicted {now.time.step_s:.3g} -> {new.time.step_s:.3g} s/step)")
+        fit.rebalanced.append(line)
+        if self.global_rank == 0:
+            print(line, flush=True)
+
+    def _may_rebalance(self) -> bool:
+        """Rebalancing keeps the optimisation only for a data-parallel plan of a loss known to be a per-sample mean,
+        stepped by the engine, on a runtime that weights replicas."""
+        plan, module = self.plan, self.lightning_module
+        return (plan is not None and plan.dp > 1 and plan.pp == 1 and self.backend.capabilities.uneven_dp
+                and self.profile is not None and self.profile.batch_dependent is False
+                and getattr(module, "automatic_optimization", True) and self._engine_in_use())
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         """Under a pipeline the closure runs the step's schedule, which also stepped the engine."""
@@ -706,9 +778,30 @@ class _FitState:
         self.module_record: Any = None  # what the backend's hand_back restores at the end of fit
         self.restorers: list[Any] = []  # how to undo this fit's module patches
         self.training_precision: Any = None  # DeepSpeed's precision plugin while an evaluation uses a plain one
+        self.shares: ShareSchedule | None = None  # the replicas' shares by step (the sampler cuts by it, losses are weighted by it)
+        self.prefetched_steps = 2  # steps the data pipeline may have cut ahead of the one training (a share change starts later)
+        self.rebalanced: list[str] = []  # what each rebalance did, as reported
+        self.pending: tuple[int, Estimate] | None = None  # a share change decided, and the step it starts at
 
 
 # --- small helpers (module level: no strategy state) ------------------------------------------------
+
+
+REBALANCE_GAIN = 1.05
+"""A new split of the batch over the replicas is used only when it is predicted at least this much faster (speeds
+measured on a shared machine wander by several percent; the split should not flap)."""
+
+
+def _with_rank_speeds(cluster: ClusterSpec, speeds: list[float]) -> ClusterSpec:
+    """``cluster`` with each rank's device the fastest's peaks scaled by its measured speed over the fastest's."""
+    fastest = max(range(len(speeds)), key=speeds.__getitem__)
+    base = cluster.rank_device(fastest)
+    devices = []
+    for r, speed in enumerate(speeds):
+        scale = speed / speeds[fastest]
+        peak = PeakTflops(bf16=base.peak_tflops.bf16 * scale, fp16=base.peak_tflops.fp16 * scale, fp32=base.peak_tflops.fp32 * scale)
+        devices.append(dataclasses.replace(base, name=f"{base.name} rank {r}", peak_tflops=peak))
+    return dataclasses.replace(cluster, rank_devices=tuple(devices))
 
 
 def _check_trainer_flags(trainer) -> None:  # type: ignore[no-untyped-def]

@@ -49,6 +49,29 @@ def check_shares(shares: Sequence[int], *, global_batch_size: int, dp_size: int,
         raise ValueError(f"shares {list(shares)} do not each split into gas {gas} equal micro-batches")
 
 
+class ShareSchedule:
+    """The replicas' shares of each step's samples, by global optimizer step: ``None`` (equal shares) or samples per
+    replica, from a step on. The sampler reads it when it cuts a step and the strategy when it weights that step's
+    losses, so the two agree whichever step a rebalance starts at; a change takes effect only at a step no batch has
+    been cut for yet (:meth:`set_from`'s caller keeps the prefetched steps out)."""
+
+    def __init__(self, shares: Sequence[int] | None = None) -> None:
+        self._changes: list[tuple[int, tuple[int, ...] | None]] = [(0, None if shares is None else tuple(shares))]
+
+    def at(self, step: int) -> tuple[int, ...] | None:
+        """The shares of global step ``step``."""
+        for start, shares in reversed(self._changes):
+            if step >= start:
+                return shares
+        return self._changes[0][1]
+
+    def set_from(self, step: int, shares: Sequence[int] | None) -> None:
+        """Use ``shares`` (None: equal) from global step ``step`` on; ValueError before the latest change's step."""
+        if step < self._changes[-1][0]:
+            raise ValueError(f"share change at step {step} comes before the one at step {self._changes[-1][0]}")
+        self._changes.append((step, None if shares is None else tuple(shares)))
+
+
 class GlobalBatchSampler(Sampler[list[Any]]):
     """Yields, per optimizer step, this rank's ``global_batch_size / dp_size`` dataset indices (its ``shares`` entry of
     them when given).
@@ -70,10 +93,12 @@ class GlobalBatchSampler(Sampler[list[Any]]):
         seed: int = 0,
         first_step: Callable[[], int] = lambda: 0,
         epoch_order: Callable[[int], Sequence[Any]] | None = None,
-        shares: Sequence[int] | None = None,
+        shares: Sequence[int] | ShareSchedule | None = None,
     ) -> None:
-        if shares is not None:
-            check_shares(shares, global_batch_size=global_batch_size, dp_size=dp_size, gas=1)
+        schedule = shares if isinstance(shares, ShareSchedule) else ShareSchedule(shares)
+        first_shares = schedule.at(0)
+        if first_shares is not None:
+            check_shares(first_shares, global_batch_size=global_batch_size, dp_size=dp_size, gas=1)
         elif global_batch_size % dp_size:
             raise ValueError(f"global batch size {global_batch_size} is not divisible by dp {dp_size}")
         if num_samples < global_batch_size:
@@ -84,7 +109,7 @@ class GlobalBatchSampler(Sampler[list[Any]]):
         self.shuffle, self.seed = shuffle, seed
         self.first_step = first_step
         self.epoch_order = epoch_order
-        self.shares = None if shares is None else tuple(shares)
+        self.schedule = schedule
 
     @property
     def steps_per_epoch(self) -> int:
@@ -107,7 +132,8 @@ class GlobalBatchSampler(Sampler[list[Any]]):
         order = self.order(epoch)
         size = self.global_batch_size
         for step in range(first, self.steps_per_epoch):
-            yield rank_share(order[step * size : (step + 1) * size], self.dp_size, self.dp_rank, self.shares)
+            shares = self.schedule.at(epoch * self.steps_per_epoch + step)
+            yield rank_share(order[step * size : (step + 1) * size], self.dp_size, self.dp_rank, shares)
 
     def __len__(self) -> int:
         """Steps of a whole epoch, also when resuming mid-epoch: Lightning's batch counter continues from the resumed step."""

@@ -1026,30 +1026,37 @@ def balance_micro_batches(step_s: Callable[[int, int], float | None], replicas: 
 
 
 def _rebalanced(model: ModelSpec, cluster: ClusterSpec, cons: Constraints, even: Estimate) -> Estimate | None:
-    """``even``'s layout with each replica's micro-batch sized to its devices (:func:`balance_micro_batches`, the same
-    samples per micro-step and gas), priced per replica; None when that split is the even one, or no split fits."""
-    plan = even.plan
-    if plan.dp == 1 or plan.pp > 1 and not cons.uneven_dp_with_pp:
+    """``even``'s layout with each replica's micro-batch sized to its devices (:func:`split_by_speed`), priced per
+    replica; None when that split is the even one, or no split fits."""
+    if even.plan.dp == 1 or even.plan.pp > 1 and not cons.uneven_dp_with_pp:
         return None
+    split = split_by_speed(model, cluster, even.plan, overlaps=cons.overlaps)
+    if split is None or split.dp_mbs is None:
+        return None
+    uneven = estimate_plan(model, cluster, split, overlaps=cons.overlaps)
+    return uneven if uneven.fits else None
+
+
+def split_by_speed(model: ModelSpec, cluster: ClusterSpec, plan: Plan, *, overlaps: Overlaps = Overlaps.DEFAULT) -> Plan | None:
+    """``plan``'s layout and gas with the samples of each micro-step (gas * that many make the global batch) split over
+    its replicas by :func:`balance_micro_batches`, each replica priced on its own devices (:func:`replica_devices`);
+    ``dp_mbs`` None when the best split is the even one; None when no split fits."""
     devices = replica_devices(cluster, plan)
-    if len(set(devices)) == 1:
-        return None
     cache: dict[tuple[DeviceSpec, int], float | None] = {}
 
     def step_s(replica: int, mbs: int) -> float | None:
         key = (devices[replica], mbs)
         if key not in cache:
             alike = dataclasses.replace(model, global_batch_size=plan.dp * mbs * plan.gas)
-            e = estimate_with(alike, Hardware.of(cluster.with_device(devices[replica]), alike), plan.replace(mbs=mbs, dp_mbs=None),
-                              overlaps=cons.overlaps)
+            e = estimate_with(alike, Hardware.of(cluster.with_device(devices[replica]), alike),
+                              plan.replace(mbs=mbs, dp_mbs=None), overlaps=overlaps)
             cache[key] = e.time.step_s if e.fits else None
         return cache[key]
 
-    sizes = balance_micro_batches(step_s, plan.dp, plan.dp * plan.mbs)
-    if sizes is None or len(set(sizes)) == 1:
+    sizes = balance_micro_batches(step_s, plan.dp, plan.global_batch_size // plan.gas)
+    if sizes is None:
         return None
-    uneven = estimate_plan(model, cluster, plan.replace(mbs=max(sizes), dp_mbs=sizes), overlaps=cons.overlaps)
-    return uneven if uneven.fits else None
+    return plan.replace(mbs=max(sizes), dp_mbs=sizes)
 
 
 def _plan_uneven_dp(
