@@ -41,6 +41,7 @@ from lightning_fleet.calibrate.measure import (  # noqa: E402
     save_cache,
     sustained_rate,
 )
+from lightning_fleet.calibrate.measure import RANK_PROBE_S  # noqa: E402
 from lightning_fleet.data import TrainingData, example_batch, inspect_training_loader, step_loader  # noqa: E402
 from lightning_fleet.decide import Decision, JobOptions, ModuleFacts, Resume, ResumeKind, decide, job_global_batch_size, resume_of  # noqa: E402
 from lightning_fleet.elastic.callback import FleetCheckpoint  # noqa: E402
@@ -108,7 +109,9 @@ class FleetStrategy(DeepSpeedStrategy):
             samples over the data-parallel replicas is predicted at least REBALANCE_GAIN faster, the replicas' micro-batch
             sizes (``dp_mbs``) change from a later step on: the same samples form each step and the gradient stays the
             global batch's mean, so the optimisation does not change. Only for a data-parallel plan (pp=1) of a module
-            whose loss is known not to depend on the micro-batch, under automatic optimization. 0: never.
+            whose loss is known not to depend on the micro-batch, under automatic optimization. None (the default):
+            every 100 steps, and never so often that the probes take more than REBALANCE_OVERHEAD of the time trained;
+            0: never.
     """
 
     strategy_name = "fleet"
@@ -132,7 +135,7 @@ class FleetStrategy(DeepSpeedStrategy):
         resume: str = "auto",
         progress: bool = True,
         hand_back: bool = True,
-        rebalance_every_n_steps: int = 100,
+        rebalance_every_n_steps: int | None = None,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -151,9 +154,10 @@ class FleetStrategy(DeepSpeedStrategy):
         for name, value in (("global_batch_size", global_batch_size), ("micro_batch_size", micro_batch_size)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise FleetError(f"FleetStrategy({name}={value!r}): must be a positive integer or None")
-        if isinstance(rebalance_every_n_steps, bool) or not isinstance(rebalance_every_n_steps, int) or rebalance_every_n_steps < 0:
-            raise FleetError(f"FleetStrategy(rebalance_every_n_steps={rebalance_every_n_steps!r}): must be a non-negative integer (0: never)")
-        self.rebalance_every_n_steps = rebalance_every_n_steps
+        every = rebalance_every_n_steps
+        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 0):
+            raise FleetError(f"FleetStrategy(rebalance_every_n_steps={every!r}): must be a non-negative integer (0: never) or None")
+        self.rebalance_every_n_steps = every
         if resume not in RESUME_POLICIES:
             raise FleetError(f"FleetStrategy(resume={resume!r}): must be one of {', '.join(map(repr, RESUME_POLICIES))}")
         self.options = JobOptions(
@@ -642,7 +646,8 @@ class FleetStrategy(DeepSpeedStrategy):
         use, use it from the first step the data pipeline has not cut yet (the sampler and the loss weights read the
         same :class:`ShareSchedule`); the plan and its estimate follow from that step on."""
         trainer, decision, fit = self.lightning_module.trainer, self.decision, self._fit
-        step, every = trainer.global_step, self.rebalance_every_n_steps
+        step = trainer.global_step
+        every = REBALANCE_EVERY_N_STEPS if self.rebalance_every_n_steps is None else self.rebalance_every_n_steps
         if decision is None or fit.shares is None:
             return
         pending = fit.pending
@@ -651,6 +656,11 @@ class FleetStrategy(DeepSpeedStrategy):
             return
         if not every or step == 0 or step % every or not self._may_rebalance() or pending is not None:
             return
+        if self.rebalance_every_n_steps is None:  # automatic: keep the probes' share of the time trained small
+            since = across_ranks(time.perf_counter() - fit.last_probe, self.root_device)  # the same answer on every rank
+            if since * REBALANCE_OVERHEAD < RANK_PROBE_S:
+                return
+        fit.last_probe = time.perf_counter()
         speeds = all_ranks(sustained_rate(self.root_device), self.root_device)
         current = decision.estimate
         cluster = _with_rank_speeds(decision.cluster, speeds)
@@ -782,11 +792,16 @@ class _FitState:
         self.prefetched_steps = 2  # steps the data pipeline may have cut ahead of the one training (a share change starts later)
         self.rebalanced: list[str] = []  # what each rebalance did, as reported
         self.pending: tuple[int, Estimate] | None = None  # a share change decided, and the step it starts at
+        self.last_probe = time.perf_counter()  # when the ranks last probed their speed (the fit's start before that)
 
 
 # --- small helpers (module level: no strategy state) ------------------------------------------------
 
 
+REBALANCE_EVERY_N_STEPS = 100
+"""How often (in optimizer steps) the ranks probe their speed when ``rebalance_every_n_steps`` is left at None."""
+REBALANCE_OVERHEAD = 0.01
+"""The most of the time trained that automatic rebalancing's probes may take (each takes RANK_PROBE_S)."""
 REBALANCE_GAIN = 1.05
 """A new split of the batch over the replicas is used only when it is predicted at least this much faster (speeds
 measured on a shared machine wander by several percent; the split should not flap)."""

@@ -216,6 +216,14 @@ def test_bad_micro_batch_size(bad):
         lightning_fleet.FleetStrategy(micro_batch_size=bad)
 
 
+@pytest.mark.pure
+@pytest.mark.parametrize("bad", [-1, 2.5, True, "10"])
+def test_bad_rebalance_interval(bad):
+    with pytest.raises(FleetError, match=r"rebalance_every_n_steps=.*must be a non-negative integer \(0: never\) or None"):
+        lightning_fleet.FleetStrategy(rebalance_every_n_steps=bad)
+    assert lightning_fleet.FleetStrategy(rebalance_every_n_steps=0).rebalance_every_n_steps == 0
+
+
 @pytest.mark.unit
 def test_manual_optimization_trains_one_micro_batch_per_step(capsys):
     trainer = fit(lightning_fleet.FleetStrategy(global_batch_size=4), Manual())
