@@ -1,6 +1,6 @@
 """Unequal ranks on this machine: the even split against an uneven one (``dp_mbs``), measured and predicted.
 
-    .venv/bin/python benchmarks/heterogeneous.py        # as root (it writes cgroup v1 CPU quotas); ~5 min -> HETEROGENEOUS.md
+    .venv/bin/python benchmarks/heterogeneous.py        # as root (it writes cgroup v1 CPU quotas); ~3 min -> HETEROGENEOUS.md
 
 Two ranks, each pinned to its own core (``taskset``-style affinity); a rank given a quota below 100 % sits in a cgroup
 v1 CPU group of its own with ``cpu.cfs_quota_us`` = quota x ``cpu.cfs_period_us`` (10 ms: short against a step, so a throttled rank is slowed evenly, not in bursts). Each run trains the example
@@ -25,6 +25,7 @@ import dataclasses
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -54,18 +55,22 @@ PLANNED = "100 % + 50 %, planned"
 """The run whose split the planner chooses, from the job's own measurement of each rank (no cluster file; a fresh
 measurement cache, so the throttled rank is measured throttled)."""
 GOAL_SPEEDUP, GOAL_GAP = 1.35, 0.05
+SLOWDOWN = dict(label="slowdown mid-run", at_step=10, quota=50, every=4, steps=44)
+"""The mid-run run: both ranks at full speed, rank 1 dropped to SLOWDOWN['quota'] % when step ``at_step`` starts, the
+ranks probing their speed every ``every`` steps (FleetStrategy(rebalance_every_n_steps=...))."""
 
 
-def make_groups(quotas: tuple[int, int], tag: str) -> dict[str, str]:
-    """A CPU cgroup per rank whose quota is below 100 %, by local rank; the caller removes them."""
+def make_groups(quotas: tuple[int | None, ...], tag: str) -> dict[str, str]:
+    """A CPU cgroup per rank whose quota is below 100 % (None: a group with no quota yet, for one set later), by local
+    rank; the caller removes them."""
     groups = {}
     for rank, quota in enumerate(quotas):
-        if quota >= 100:
+        if quota is not None and quota >= 100:
             continue
         path = CGROUP_ROOT / f"fleet-hetero-{os.getpid()}-{tag}-r{rank}"
         path.mkdir()
         (path / "cpu.cfs_period_us").write_text(str(PERIOD_US))
-        (path / "cpu.cfs_quota_us").write_text(str(PERIOD_US * quota // 100))
+        (path / "cpu.cfs_quota_us").write_text(str(-1 if quota is None else PERIOD_US * quota // 100))
         groups[str(rank)] = str(path)
     return groups
 
@@ -85,14 +90,18 @@ def remove_groups(groups: dict[str, str]) -> None:
             print(f"could not remove cgroup {path}: {err}", file=sys.stderr)
 
 
-def run_one(label: str, quotas: tuple[int, int], plan: str, steps: int, warmup: int, timeout_s: float) -> dict:
-    """One torchrun job of two pinned ranks under these quotas; its rank 0 result."""
+def run_one(label: str, quotas: tuple[int, int], plan: str, steps: int, warmup: int, timeout_s: float, **extra: object) -> dict:
+    """One torchrun job of two pinned ranks under these quotas (``extra``: more job keys); its rank 0 result."""
     job_dir = OUT / "heterogeneous" / label.replace(" ", "_").replace("%", "pct").replace("/", "-").replace(",", "")
     shutil.rmtree(job_dir, ignore_errors=True)
     job_dir.mkdir(parents=True)
-    groups = make_groups(quotas, str(len(list((OUT / "heterogeneous").iterdir()))))
+    slowdown = label == SLOWDOWN["label"]  # rank 1 in a group of its own without a quota yet; rank 0 sets it mid-run
+    groups = make_groups((100, None) if slowdown else quotas, str(len(list((OUT / "heterogeneous").iterdir()))))
+    if slowdown:
+        extra = {**extra, "quota_at_step": [SLOWDOWN["at_step"], groups["1"], PERIOD_US * SLOWDOWN["quota"] // 100],
+                 "rebalance_every": SLOWDOWN["every"]}
     job = dict(dir=str(job_dir), plan=plan, gbs=GBS, model=MODEL, data_bytes=400_000, steps=steps, warmup=warmup,
-               cluster=None if label == PLANNED else "cpu", cgroups=groups)
+               cluster=None if label == PLANNED or slowdown else "cpu", cgroups=groups, **extra)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
            f"--master-port={free_port()}", str(ROOT / "benchmarks" / "heterogeneous_worker.py"), json.dumps(job)]
     try:
@@ -131,6 +140,33 @@ def predicted_step_s(cluster_file: Path, quotas: tuple[int, int], plan: str) -> 
     batch = (torch.zeros(GBS // 2, MODEL["seq_length"], dtype=torch.long),) * 2
     spec = profile(model, batch, global_batch_size=GBS, name="GPT").spec
     return estimate(spec, cluster, parse_plan(plan, global_batch_size=GBS)).time.step_s
+
+
+MIXED_GPU_CASES = (("gpt-1.7b", "mixed-a100-v100"), ("gpt-1.7b", "mixed-h100-a100"), ("llama-3-8b", "mixed-h100-a100"),
+                   ("gpt3-175b", "mixed-h100-a100"))
+"""Model presets planned on the mixed cluster presets (lightning_fleet/planning/presets/clusters/mixed-*.yaml)."""
+
+
+def mixed_gpu_lines() -> list[str]:
+    """``fleet plan``'s choice on each MIXED_GPU_CASES pair: the split per device type and the predicted gain over
+    planning on the slowest device (the best even split)."""
+    from lightning_fleet.planning import load_model, plan
+    from lightning_fleet.planning.search import uneven_split_line
+
+    lines = ["| model | cluster | chosen plan | predicted step s | best even split (slowest-device planning) | gain |",
+             "|---|---|---|---|---|---|"]
+    notes = []
+    for model_name, cluster_name in MIXED_GPU_CASES:
+        model, cluster = load_model(model_name), load_cluster(cluster_name)
+        result = plan(model, cluster, top=1)
+        even = result.even_best or result.best
+        gain = f"{result.speedup_over_even:.2f}x" if result.speedup_over_even else "1.00x (the even split is best)"
+        lines.append(f"| {model_name} | {cluster_name} | `{result.best.plan}` | {result.best.time.step_s:.3f} | "
+                     f"`{even.plan}`: {even.time.step_s:.3f} s | {gain} |")
+        if result.even_best is not None:
+            notes.append(f"- {model_name} on {cluster_name}: {uneven_split_line(result, cluster)}")
+    return ["Command: `fleet plan --model MODEL --cluster CLUSTER` (the same search); devices as the presets cite them.", "",
+            *lines, "", *notes]
 
 
 def write_report(rows: list[dict], predictions: dict[str, float], command: str, seconds: float) -> Path:
@@ -176,14 +212,35 @@ def write_report(rows: list[dict], predictions: dict[str, float], command: str, 
         gap = best_uneven / same_total - 1
         lines.append(f"- The same total CPU, (100 %, 50 %) split unevenly against (75 %, 75 %) split evenly: the uneven run's step "
                      f"is {gap:+.1%} of the even one's (goal |gap| <= {GOAL_GAP:.0%}: {'met' if abs(gap) <= GOAL_GAP else 'missed'}).")
+    slow = by.get(SLOWDOWN["label"], {})
+    ideal = step("100 % + 50 %, 16/8")
+    if slow.get("all_step_s") and ideal:
+        times = slow["all_step_s"]  # interval j is the step with global_step j + 1 (between its end and the one before)
+        every, at = SLOWDOWN["every"], SLOWDOWN["at_step"]
+        switch = next((int(line.split(" from step ")[1].split()[0]) for line in slow.get("rebalances", [])), None)
+        probes = [t for j, t in enumerate(times) if (j + 1) % every == 0 and j + 1 > at]
+        text = (f"- Slowdown mid-run (rank 1 from 100 % to {SLOWDOWN['quota']} % when step {at} starts, speeds probed every "
+                f"{every} steps): ")
+        if switch is None:
+            text += "no rebalance happened."
+        else:
+            settled = [t for j, t in enumerate(times) if j + 1 >= switch and (j + 1) % every]  # probing steps left out
+            text += (f"the split changed to `{slow['plan'].split(',dp_mbs=')[-1]}` from step {switch}, **{switch - at} steps** "
+                     f"after the slowdown (the next probe, then the steps the data pipeline had cut already); after it the "
+                     f"median step is {statistics.median(settled):.3f} s against {ideal:.3f} s of the run given 16/8 from the "
+                     f"start ({statistics.median(settled) / ideal - 1:+.1%}; goal within 10 %: "
+                     f"{'met' if statistics.median(settled) <= 1.1 * ideal else 'missed'}).")
+        if probes:
+            text += f" A probing step takes {statistics.median(probes):.2f} s (RANK_PROBE_S of GEMMs more)."
+        lines.append(text + " Step times from step 1: " + ", ".join(f"{t:.2f}" for t in times) + ".")
     lines += [
-        "- Spread on this VM: four earlier runs of this script today (two at a 100 ms period, two at 10 ms) gave speed-ups of "
-        "1.50x, 1.31x, 1.43x and 1.29x and gaps of -3.2 %, +13.8 %, +13.3 % and +20.9 %; likely because the throttled rank's share of the "
-        "fixed per-step work (the optimizer step, gloo's all-reduce, framework time) does not shrink with its samples. An earlier planned run chose 15/9 (its 2.0x measured speed ratio, priced with the per-operator costs the same on both ranks).",
-        "- Not measured here: a slowdown in the middle of a run (the shares are fixed for a run; rebalancing while training "
-        "is not built yet).",
-        "",
+        "- Spread on this VM: seven earlier runs of this script today (2026-12-01; two at a 100 ms quota period, five at "
+        "10 ms) gave speed-ups of 1.29x to 1.50x (median 1.42x) and gaps of -3.2 % to +20.9 % (median +7.5 %); the planner "
+        "chose 16/8 in three of four runs and 15/9 once (a 2.0x measured speed ratio priced with per-operator host costs "
+        "the same on both ranks). The gap is likely the throttled rank's fixed per-step work (the optimizer step, gloo's "
+        "all-reduce, framework time), which does not shrink with its samples.",
     ]
+    lines += ["", "## Mixed GPU clusters (the planner, no run)", "", *mixed_gpu_lines(), ""]
     path = ROOT / "benchmarks" / "HETEROGENEOUS.md"
     path.write_text("\n".join(lines))
     return path
@@ -205,9 +262,11 @@ def main() -> None:
     for label, quotas, plan in RUNS:
         rows.append(run_one(label, quotas, plan, args.steps, args.warmup, args.timeout))
         print(json.dumps(rows[-1]))
+    slowdown = run_one(SLOWDOWN["label"], (100, 100), "dp=2,zero=1", SLOWDOWN["steps"], args.warmup, args.timeout)
+    print(json.dumps(slowdown))
     # each run's plan as it ran (the planned run's as the planner chose it), priced on this machine's calibration
     predictions = {r["label"]: predicted_step_s(cluster_file, quotas, r.get("plan") or plan) for r, (_, quotas, plan) in zip(rows, RUNS)}
-    path = write_report(rows, predictions, "sudo .venv/bin/python benchmarks/heterogeneous.py", time.time() - started)
+    path = write_report(rows + [slowdown], predictions, "sudo .venv/bin/python benchmarks/heterogeneous.py", time.time() - started)
     print(path.read_text())
 
 

@@ -197,6 +197,12 @@ class FleetStrategy(DeepSpeedStrategy):
         return self.decision.plan if self.decision is not None else None
 
     @property
+    def rebalances(self) -> tuple[str, ...]:
+        """What each rebalance of the last fit did (the lines rank 0 printed): the ranks' speeds, the step it was decided
+        at, the new micro-batch sizes and the step they start at."""
+        return tuple(self._fit.rebalanced)
+
+    @property
     def estimate(self) -> Estimate | None:
         """The cost model's prediction for :attr:`plan`."""
         return self.decision.estimate if self.decision is not None else None
