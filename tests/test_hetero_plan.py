@@ -100,3 +100,32 @@ def test_fleet_plan_prints_the_split_per_device_and_the_json_carries_it(capsys) 
     assert "dp_mbs" not in data["even_best"]["plan"]
     assert main(["plan", "--model", "gpt-1.7b", "--cluster", "dgx-a100-80gb", "--top", "1", "--json"]) == 0
     assert "speedup_over_even" not in json.loads(capsys.readouterr().out)  # one device type: nothing to balance
+
+
+@pytest.mark.parametrize(("key", "value", "message"), [
+    ("devices_per_node", 0, r"cluster.groups\[1\]: a device group needs at least one node and one device per node, got nodes=2, devices_per_node=0"),
+    ("nodes", 0, r"cluster.groups\[1\]: a device group needs at least one node .* got nodes=0"),
+    ("bogus", 1, r"unknown key 'bogus' in cluster.groups\[1\]"),
+])
+def test_a_bad_group_is_one_line_naming_it(key: str, value: object, message: str) -> None:
+    from lightning_fleet.planning.cluster import cluster_from_dict
+
+    data = MIXED.to_dict()
+    data["groups"][1][key] = value
+    with pytest.raises(FleetError, match=message) as err:
+        cluster_from_dict(data)
+    assert "\n" not in str(err.value) and str(err.value).count("cluster.groups[1]") == 1
+
+
+def test_rank_devices_must_be_one_per_rank_and_round_trip() -> None:
+    from lightning_fleet.planning.cluster import cluster_from_dict
+
+    cpu = load_cluster("cpu")
+    slow = dataclasses.replace(cpu.groups[0].device, name="slow", peak_tflops=PeakTflops(bf16=0.01, fp16=0.01, fp32=0.02))
+    measured = dataclasses.replace(cpu, rank_devices=(cpu.groups[0].device, slow))
+    assert cluster_from_dict(measured.to_dict()) == measured and not measured.is_homogeneous
+    assert measured.rank_device(1) == slow and measured.planning_device().peak_tflops.fp32 == 0.02
+    with pytest.raises(FleetError, match="rank_devices lists 1 devices for 2 ranks: give one per rank"):
+        dataclasses.replace(cpu, rank_devices=(slow,))
+    with pytest.raises(FleetError, match="a device measured per rank; only a homogeneous cluster can be resized"):
+        measured.with_nodes(2)

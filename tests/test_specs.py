@@ -111,8 +111,8 @@ def test_heterogeneous_cluster_round_trips(tmp_path):
 
 
 BAD_CLUSTERS = [
-    ("nodes: 4", "nodes: 0", "nodes must be > 0, got 0"),
-    ("nodes: 4", "nodes: -2", "nodes must be > 0, got -2"),
+    ("nodes: 4", "nodes: 0", "needs at least one node and one device per node, got nodes=0"),
+    ("nodes: 4", "nodes: -2", "needs at least one node and one device per node, got nodes=-2"),
     ("nodes: 4", 'nodes: "4"', "nodes must be an integer, got '4'"),
     ("memory_gib: 80", "memory_gib: -80", "memory_gib must be > 0"),
     ("devices_per_node: 8", "devices_per_node: 8\ndevices_per_nod: 8", "unknown key 'devices_per_nod'"),

@@ -338,7 +338,12 @@ class DeviceGroup:
     """The device every node of the group has."""
 
     def __post_init__(self) -> None:
-        require_positive("", nodes=self.nodes, devices_per_node=self.devices_per_node)
+        for value in (self.nodes, self.devices_per_node):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise SpecError(
+                    f"a device group needs at least one node and one device per node, got nodes={self.nodes!r}, "
+                    f"devices_per_node={self.devices_per_node!r}: give both, or leave the group out"
+                )
 
 
 _HOMOGENEOUS_KEYS = ("nodes", "devices_per_node", "device")
@@ -467,7 +472,7 @@ def cluster_from_dict(data: Mapping[str, Any], where: str = "cluster") -> Cluste
         check_keys(data, ("groups",) + _COMMON_KEYS, ("name", "groups", "intra_node", "inter_node"), where)
         if not isinstance(data["groups"], list) or not data["groups"]:
             raise SpecError(f"{where}.groups must be a non-empty list of device groups")
-        groups = tuple(from_mapping(DeviceGroup, g, f"{where}.groups[{i}]") for i, g in enumerate(data["groups"]))
+        groups = tuple(_group(g, f"{where}.groups[{i}]") for i, g in enumerate(data["groups"]))
         rest = {k: v for k, v in data.items() if k != "groups"}
     else:
         check_keys(data, _HOMOGENEOUS_KEYS + _COMMON_KEYS, ("name",) + _HOMOGENEOUS_KEYS + ("intra_node", "inter_node"), where)
@@ -475,6 +480,14 @@ def cluster_from_dict(data: Mapping[str, Any], where: str = "cluster") -> Cluste
         rest = {k: v for k, v in data.items() if k not in _HOMOGENEOUS_KEYS}
     spec = from_mapping(_ClusterRest, rest, where)
     return ClusterSpec(groups=groups, **{f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)})
+
+
+def _group(data: Any, where: str) -> DeviceGroup:
+    """One entry of ``groups:``; a SpecError names the entry."""
+    try:
+        return from_mapping(DeviceGroup, data, where)
+    except SpecError as err:
+        raise SpecError(str(err) if where in str(err) else f"{where}: {err}") from None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
