@@ -131,6 +131,10 @@ class FleetProgress(Callback):
         resumed = getattr(trainer.strategy, "resumed_from", None)
         if resumed is not None:
             lines.append(f"  resumed  from {resumed}")
+        rebalances = getattr(trainer.strategy, "rebalances", ())
+        if rebalances:
+            lines.append(f"  split    changed {len(rebalances)} time(s) as the ranks' speeds drifted; last: "
+                         f"{rebalances[-1].removeprefix('lightning_fleet: ')}")
         for callback in trainer.callbacks:
             saved = getattr(callback, "saved", None)
             if saved:

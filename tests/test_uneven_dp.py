@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -279,4 +280,5 @@ def test_a_slowdown_mid_run_is_rebalanced_without_changing_the_optimisation(tmp_
     sizes = parse_plan(results[0]["plan"]).dp_mbs
     assert sizes[0] > sizes[1]
     assert "lightning_fleet: rank speeds" in log and "from step" in log
+    assert re.search(r"  split    changed \d+ time\(s\) as the ranks' speeds drifted; last: rank speeds", log)  # the summary
     _matches_reference(results[0], reference_run(steps, GBS), results[0]["plan"])
