@@ -59,7 +59,7 @@ from lightning_fleet.elastic.worker import (  # noqa: E402
 from lightning_fleet.export import lightning_checkpoint  # noqa: E402
 from lightning_fleet.hooks import find_layers, module_hooks, tensor_parallel_hook  # noqa: E402
 from lightning_fleet.planning import ClusterSpec, Estimate, FleetError, ModelSpec, Plan, Precision, estimate, load_cluster  # noqa: E402
-from lightning_fleet.planning.cluster import GIB, PeakTflops  # noqa: E402
+from lightning_fleet.planning.cluster import GIB, devices_by_speed  # noqa: E402
 from lightning_fleet.planning.plan import field_text  # noqa: E402
 from lightning_fleet.planning.search import split_by_speed  # noqa: E402
 from lightning_fleet.profiling import Profile, profile  # noqa: E402
@@ -814,15 +814,10 @@ measured on a shared machine wander by several percent; the split should not fla
 
 
 def _with_rank_speeds(cluster: ClusterSpec, speeds: list[float]) -> ClusterSpec:
-    """``cluster`` with each rank's device the fastest's peaks scaled by its measured speed over the fastest's."""
-    fastest = max(range(len(speeds)), key=speeds.__getitem__)
-    base = cluster.rank_device(fastest)
-    devices = []
-    for r, speed in enumerate(speeds):
-        scale = speed / speeds[fastest]
-        peak = PeakTflops(bf16=base.peak_tflops.bf16 * scale, fp16=base.peak_tflops.fp16 * scale, fp32=base.peak_tflops.fp32 * scale)
-        devices.append(dataclasses.replace(base, name=f"{base.name} rank {r}", peak_tflops=peak))
-    return dataclasses.replace(cluster, rank_devices=tuple(devices))
+    """``cluster`` with each rank's device its fastest device's peaks scaled by the rank's measured speed over the
+    fastest rank's (:func:`planning.cluster.devices_by_speed`)."""
+    fastest = max((cluster.rank_device(r) for r in range(cluster.world_size)), key=lambda d: d.peak_tflops.fp32)
+    return dataclasses.replace(cluster, rank_devices=devices_by_speed(fastest, speeds))
 
 
 def _check_trainer_flags(trainer) -> None:  # type: ignore[no-untyped-def]

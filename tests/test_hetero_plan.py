@@ -129,3 +129,14 @@ def test_rank_devices_must_be_one_per_rank_and_round_trip() -> None:
         dataclasses.replace(cpu, rank_devices=(slow,))
     with pytest.raises(FleetError, match="a device measured per rank; only a homogeneous cluster can be resized"):
         measured.with_nodes(2)
+
+
+def test_devices_by_speed_scale_the_fastest_device() -> None:
+    from lightning_fleet.planning.cluster import devices_by_speed
+
+    fast = dataclasses.replace(H100, name="gpu rank 3")
+    slow_fast = devices_by_speed(fast, [2.0, 4.0])
+    assert [d.name for d in slow_fast] == ["gpu rank 0", "gpu rank 1"]
+    assert slow_fast[1].peak_tflops == H100.peak_tflops
+    assert slow_fast[0].peak_tflops == PeakTflops(bf16=989 / 2, fp16=989 / 2, fp32=67 / 2)
+    assert slow_fast[0].memory_gib == H100.memory_gib and slow_fast[0].memory_GBps == H100.memory_GBps

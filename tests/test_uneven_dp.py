@@ -193,12 +193,14 @@ def reference():
     return reference_run(STEPS, GBS)
 
 
-def _matches_reference(result: dict, reference: tuple, text: str) -> None:
+def _matches_reference(result: dict, reference: tuple, text: str, atol: float = 2e-6) -> None:
+    """The eval loss within 1e-6 relative of the reference's, every weight within ``atol`` (+ 1e-6 relative): float32
+    sums in another order, which Adam's normalisation amplifies where a gradient is near zero."""
     ref_loss, ref_state = reference
     assert parse_plan(result["plan"]).dp_mbs == parse_plan(text, global_batch_size=GBS).dp_mbs, result["plan"]
     assert result["eval_loss"] == pytest.approx(ref_loss, rel=1e-6)
     for name, tensor in result["state"].items():
-        torch.testing.assert_close(tensor, ref_state[name], atol=2e-6, rtol=1e-6, msg=f"{text}: {name}")
+        torch.testing.assert_close(tensor, ref_state[name], atol=atol, rtol=1e-6, msg=lambda m, name=name: f"{text}: {name}: {m}")
 
 
 @pytest.mark.multiprocess
@@ -226,6 +228,11 @@ def test_a_checkpoint_taken_under_one_split_resumes_under_another(tmp_path, refe
 
 
 CPU_CGROUPS = Path("/sys/fs/cgroup/cpu")
+THROTTLED_ATOL = 1e-4
+"""Weight tolerance for the throttled worker's larger model, where the eval loss (1e-6 relative) is the sharp test: the
+key projection's bias has no gradient in exact arithmetic (a shift of every score of a row leaves its softmax as is), so
+AdamW moves it by the rounding noise of its gradient, which depends on how the batch was split (seen: 1.3e-5 after 12
+steps); an unweighted split moves the eval loss by 5e-4 relative."""
 
 
 needs_cgroups = pytest.mark.skipif(os.geteuid() != 0 or not os.access(CPU_CGROUPS, os.W_OK),
@@ -255,14 +262,25 @@ def _throttled_run(tmp_path: Path, monkeypatch, quota_us: int, steps: int, **env
 
 @pytest.mark.multiprocess
 @needs_cgroups
-def test_the_job_measures_each_rank_and_gives_the_slower_one_less(tmp_path, reference, monkeypatch) -> None:
+def test_the_job_measures_each_rank_and_gives_the_slower_one_less(tmp_path, monkeypatch) -> None:
     """Rank 1 at a 30 % CPU quota (each rank pinned to its own core), no cluster file: the strategy's own measurement
     sees the ranks differ (ClusterSpec.rank_devices), the planner gives rank 0 the larger micro-batch, and the model
     trained is still the one-process reference's."""
     results, log = _throttled_run(tmp_path, monkeypatch, 3000, STEPS)
     chosen = parse_plan(results[0]["plan"])
     assert chosen.dp_mbs is not None and chosen.dp_mbs[0] > chosen.dp_mbs[1], (results[0]["plan"], log[-3000:])
-    _matches_reference(results[0], reference, results[0]["plan"])
+    _matches_reference(results[0], _throttled_reference(STEPS), results[0]["plan"], atol=THROTTLED_ATOL)
+
+
+def _throttled_reference(steps: int) -> tuple:
+    """The one-process reference of the throttled worker's model (tests/workers/throttled_gpt.py SIZES)."""
+    from unittest import mock
+
+    from tests import reference
+    from tests.workers.throttled_gpt import SIZES
+
+    with mock.patch.dict(reference.SIZES, SIZES):
+        return reference.reference_run(steps, GBS)
 
 
 @pytest.mark.multiprocess
@@ -271,8 +289,6 @@ def test_a_slowdown_mid_run_is_rebalanced_without_changing_the_optimisation(tmp_
     """Both ranks at full speed, so the job starts even; at step 2 rank 1 drops to a 30 % quota. With a probe every 2
     steps the strategy moves samples to rank 0 from a later step, prints it, and after 12 steps the weights are still the
     one-process reference's (the same samples formed every step, the gradient stayed the global mean)."""
-    from tests.reference import reference_run
-
     steps = 12
     results, log = _throttled_run(tmp_path, monkeypatch, -1, steps, FLEET_TEST_QUOTA_AT_STEP="2", FLEET_TEST_QUOTA_US="3000",
                                   FLEET_TEST_REBALANCE_EVERY="2")
@@ -281,4 +297,4 @@ def test_a_slowdown_mid_run_is_rebalanced_without_changing_the_optimisation(tmp_
     assert sizes[0] > sizes[1]
     assert "lightning_fleet: rank speeds" in log and "from step" in log
     assert re.search(r"  split    changed \d+ time\(s\) as the ranks' speeds drifted; last: rank speeds", log)  # the summary
-    _matches_reference(results[0], reference_run(steps, GBS), results[0]["plan"])
+    _matches_reference(results[0], _throttled_reference(steps), results[0]["plan"], atol=THROTTLED_ATOL)

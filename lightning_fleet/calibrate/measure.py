@@ -37,7 +37,7 @@ from lightning_fleet.planning import (
     PeakTflops,
     cluster_from_dict,
 )
-from lightning_fleet.planning.cluster import ATTENTION_EFFICIENCY_MAX, GIB
+from lightning_fleet.planning.cluster import ATTENTION_EFFICIENCY_MAX, GIB, devices_by_speed
 from lightning_fleet.planning.model import AttentionKernel, attention_kernel_flops
 from lightning_fleet.planning.time import FUSED_ATTENTION_BACKWARD, achieved_flops_per_s, gemm_dim
 from lightning_fleet.planning.yamlspec import read_yaml
@@ -373,13 +373,8 @@ def _device_spec(
         return spec, fits, ()
     fastest = speeds.index(max(speeds))
     own = {key: fit_matmul(key, measured[key][1][fastest]).peak_flops / 1e12 for key in measured}
-    ranks = []
-    for r, speed in enumerate(speeds):
-        scale = speed / speeds[fastest]
-        bf16, fp32 = own["bf16"] * scale, own["fp32"] * scale
-        peak = PeakTflops(bf16=bf16, fp16=bf16 if device.type == "cuda" else fp32, fp32=fp32)
-        ranks.append(dataclasses.replace(spec, name=f"{name} rank {r}", peak_tflops=peak))
-    return spec, fits, tuple(ranks)
+    peak = PeakTflops(bf16=own["bf16"], fp16=own["bf16"] if device.type == "cuda" else own["fp32"], fp32=own["fp32"])
+    return spec, fits, devices_by_speed(dataclasses.replace(spec, peak_tflops=peak), speeds)
 
 
 def _link(device: torch.device, world_size: int) -> LinkSpec:

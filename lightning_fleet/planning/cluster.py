@@ -204,6 +204,18 @@ def slowest_device(devices: list[DeviceSpec]) -> DeviceSpec:
     )
 
 
+def devices_by_speed(fastest: DeviceSpec, speeds: list[float]) -> tuple[DeviceSpec, ...]:
+    """One device per rank from each rank's measured speed: ``fastest`` (the fastest rank's device) with its peaks
+    scaled by the rank's speed over the fastest's, named by rank."""
+    top, name = max(speeds), fastest.name.split(" rank ")[0]
+    return tuple(
+        dataclasses.replace(fastest, name=f"{name} rank {r}", peak_tflops=PeakTflops(
+            bf16=fastest.peak_tflops.bf16 * speed / top, fp16=fastest.peak_tflops.fp16 * speed / top,
+            fp32=fastest.peak_tflops.fp32 * speed / top))
+        for r, speed in enumerate(speeds)
+    )
+
+
 def _without_unknown_bandwidth(group: dict[str, Any]) -> dict[str, Any]:
     """A group's mapping without ``device.memory_GBps`` where it is not known (None is the default it reads back as)."""
     if group["device"].get("memory_GBps") is None:

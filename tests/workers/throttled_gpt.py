@@ -2,6 +2,7 @@
 rank 1 moved into the CPU cgroup named by FLEET_TEST_THROTTLED_CGROUP before torch loads. With
 FLEET_TEST_QUOTA_AT_STEP=K and FLEET_TEST_QUOTA_US=Q, rank 0 sets that cgroup's quota to Q (per 10 ms period) when step K
 starts (a slowdown in the middle of the run); FLEET_TEST_REBALANCE_EVERY=N is FleetStrategy(rebalance_every_n_steps=N).
+The model is the example GPT at SIZES.
 
     FLEET_TEST_THROTTLED_CGROUP=/sys/fs/cgroup/cpu/x python tests/workers/throttled_gpt.py --plans "dp=2,zero=1" --out r.pt
 """
@@ -39,7 +40,12 @@ class QuotaAtStep(Callback):
             Path(os.environ["FLEET_TEST_THROTTLED_CGROUP"], "cpu.cfs_quota_us").write_text(str(self.quota_us))
 
 
+SIZES = dict(num_layers=4, hidden_size=256, num_heads=4)
+"""The example GPT here: large enough that its compute, which a CPU quota slows, outweighs the step's all-reduce (with
+train_gpt's 2 x 32 it is the other way round, and no split of the batch is predicted faster)."""
+
 if __name__ == "__main__":
+    train_gpt.SIZES.update(SIZES)
     if "FLEET_TEST_QUOTA_AT_STEP" in os.environ:
         callback = QuotaAtStep(int(os.environ["FLEET_TEST_QUOTA_AT_STEP"]), int(os.environ["FLEET_TEST_QUOTA_US"]))
         train_gpt.QUIET_TRAINER = {**train_gpt.QUIET_TRAINER, "callbacks": [callback]}
