@@ -647,7 +647,7 @@ class FleetStrategy(DeepSpeedStrategy):
 
     def _rebalance(self) -> None:
         """Every ``rebalance_every_n_steps`` steps (collective: every rank trains the same step): probe each rank's
-        sustained speed, split each micro-step's samples by it (:func:`planning.split_by_speed` on the decided cluster
+        sustained speed, split each micro-step's samples by it (:func:`planning.search.split_by_speed` on the decided cluster
         with those speeds as its ranks' devices) and, when that is predicted REBALANCE_GAIN faster than the split in
         use, use it from the first step the data pipeline has not cut yet (the sampler and the loss weights read the
         same :class:`ShareSchedule`); the plan and its estimate follow from that step on."""
