@@ -82,7 +82,7 @@ def test_the_planner_splits_unevenly_and_says_what_it_gains_over_the_slowest_dev
     devices = replica_devices(MIXED, best.plan)
     assert min(s for s, d in zip(sizes, devices) if d == H100) > max(s for s, d in zip(sizes, devices) if d == A100)
     assert best.fits and best.plan.global_batch_size == 512
-    slowest = plan(model, MIXED, top=1, search_dp_mbs=False)  # what planning on the slowest device gives
+    slowest = plan(model, MIXED, top=1, search_dp_mbs=False, uneven_stages=False)  # planning on the slowest device
     assert slowest.best == even and slowest.even_best is None
     homogeneous = plan(model, MIXED.with_device(slowest_device([H100, A100])), top=1)
     assert homogeneous.best.time == even.time
@@ -91,9 +91,9 @@ def test_the_planner_splits_unevenly_and_says_what_it_gains_over_the_slowest_dev
 def test_fleet_plan_prints_the_split_per_device_and_the_json_carries_it(capsys) -> None:
     assert main(["plan", "--model", "gpt-1.7b", "--cluster", "mixed-a100-v100", "--top", "1"]) == 0
     out = capsys.readouterr().out
-    line = " ".join(out[out.index("uneven split:"):].split())
+    line = " ".join(out[out.index("split by device:"):].split())
     assert "replicas on A100-SXM4-80GB at mbs" in line and "replicas on V100-SXM2-32GB at mbs" in line
-    assert "x the throughput of the best even split" in line and "planning on the slowest device" in line
+    assert "x the throughput of the best plan for the slowest device" in line
     assert main(["plan", "--model", "gpt-1.7b", "--cluster", "mixed-a100-v100", "--top", "1", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["speedup_over_even"] > 1 and len(data["plans"][0]["plan"]["dp_mbs"]) == data["plans"][0]["plan"]["dp"]
@@ -140,3 +140,35 @@ def test_devices_by_speed_scale_the_fastest_device() -> None:
     assert slow_fast[1].peak_tflops == H100.peak_tflops
     assert slow_fast[0].peak_tflops == PeakTflops(bf16=989 / 2, fp16=989 / 2, fp32=67 / 2)
     assert slow_fast[0].memory_gib == H100.memory_gib and slow_fast[0].memory_GBps == H100.memory_GBps
+
+
+def test_stage_capacity_moves_layers_to_the_faster_stage_by_hand() -> None:
+    """8 equal layers on 2 stages: alike 4/4; the second at half speed, its load counts double, the busiest stage then
+    carries 6 average layers' worth at best (6/2 or 5/3), the other way round 3/5 or 2/6."""
+    from lightning_fleet.planning.stages import balanced_stage_layers
+    from tests.test_uneven_stages import _blocks_model
+
+    model = _blocks_model(8, pre=False)
+    assert balanced_stage_layers(model, 2, ((1.0, 1.0), (1.0, 1.0))) == balanced_stage_layers(model, 2) == (4, 4)
+    slow_last = balanced_stage_layers(model, 2, ((1.0, 1.0), (0.5, 1.0)))
+    assert slow_last in ((6, 2), (5, 3)) and max(slow_last[0] / 1.0, slow_last[1] / 0.5) == 6
+    slow_first = balanced_stage_layers(model, 2, ((0.5, 1.0), (1.0, 1.0)))
+    assert slow_first in ((2, 6), (3, 5)) and max(slow_first[0] / 0.5, slow_first[1] / 1.0) == 6
+    with pytest.raises(FleetError, match=r"capacity must give pp\(2\) positive \(speed, memory\) pairs"):
+        balanced_stage_layers(model, 2, ((1.0, 1.0),))
+
+
+def test_a_pipeline_over_mixed_devices_gives_the_faster_stages_more_layers() -> None:
+    """gpt3-175b with pp=4 fixed on 2 H100 + 2 A100 nodes: stages 0-1 on H100s, 2-3 on A100s; the planner re-splits the
+    layers by the stages' speeds, prices each stage on its own device, and gains over the plan for the slowest device."""
+    from lightning_fleet.planning.estimate import stage_devices
+
+    model = load_model("gpt3-175b")
+    result = plan(model, MIXED, top=1, pp=4, vpp=1, tp=8, zero_stages=(1,))
+    best = result.best
+    assert stage_devices(MIXED, best.plan) == (H100, H100, A100, A100)
+    layers = best.plan.stage_layers
+    assert layers is not None and min(layers[:2]) > max(layers[2:]) and sum(layers) == model.num_layers
+    assert result.even_best is not None and result.speedup_over_even > 1.2
+    slowest = estimate(model, MIXED.with_device(slowest_device([H100, A100])), best.plan)
+    assert best.time.step_s < slowest.time.step_s  # the H100 stages priced at their own rate

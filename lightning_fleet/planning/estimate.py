@@ -267,10 +267,11 @@ class TimeModel:
     Mutable (its memo tables grow); one per search and hardware, not shared between threads.
     """
 
-    __slots__ = ("_compute", "_dp", "_fwd", "_least_step_overhead_s", "_links", "_loads", "_offload", "_optimizer", "_overhead_s", "_rates", "_slowest", "hw", "model", "overlaps", "stage_layers")
+    __slots__ = ("_compute", "_dp", "_fwd", "_least_step_overhead_s", "_links", "_loads", "_offload", "_optimizer", "_overhead_s", "_rates", "_slowest", "hw", "model", "overlaps", "stage_hw", "stage_layers")
 
     def __init__(
-        self, model: ModelSpec, hw: Hardware, stage_layers: tuple[int, ...] | None = None, overlaps: Overlaps = Overlaps.DEFAULT
+        self, model: ModelSpec, hw: Hardware, stage_layers: tuple[int, ...] | None = None, overlaps: Overlaps = Overlaps.DEFAULT,
+        stage_hw: tuple[Hardware, ...] | None = None,
     ) -> None:
         self.model = model
         """The model priced."""
@@ -280,6 +281,9 @@ class TimeModel:
         """What the runtime hides behind compute: the same for every plan priced (a search's candidates compare fairly)."""
         self.stage_layers = stage_layers
         """The layer split of its plans with pp = len(stage_layers) (None, and for every other pp: the default split)."""
+        self.stage_hw = stage_hw
+        """The hardware of each pipeline stage where the stages' devices differ (their compute runs at its matmul rate
+        and memory-bound rate; everything else at ``hw``'s); None: every stage on ``hw``."""
         self._overhead_s: dict[tuple[int, int, Recompute, Offload], float] = {}
         self._least_step_overhead_s = min(hw.calibration.step_overhead(zero) for zero in range(4))
         self._loads: dict[int, tuple[StageLoad, ...]] = {}
@@ -300,12 +304,19 @@ class TimeModel:
             loads = self._loads[pp] = stage_loads(self.model, pp, fixed)
         return loads
 
-    def rate(self, mbs: int, tp: int) -> float:
-        """:func:`achieved_rate` of a plan with this micro-batch size and tensor-parallel degree."""
-        rate = self._rates.get((mbs, tp))
+    def rate(self, mbs: int, tp: int, stage: int | None = None) -> float:
+        """:func:`achieved_rate` of a plan with this micro-batch size and tensor-parallel degree (on pipeline stage
+        ``stage``'s hardware where :attr:`stage_hw` gives one)."""
+        hw = self.hw if stage is None or self.stage_hw is None else self.stage_hw[stage]
+        key = (mbs, tp) if hw is self.hw else (mbs, tp, stage)
+        rate = self._rates.get(key)  # type: ignore[arg-type]
         if rate is None:
-            rate = self._rates[(mbs, tp)] = _matmul_rate(self.model, self.hw, mbs=mbs, tp=tp)
+            rate = self._rates[key] = _matmul_rate(self.model, hw, mbs=mbs, tp=tp)  # type: ignore[index]
         return rate
+
+    def _elementwise_s(self, stage: int) -> float:
+        """Seconds per memory-bound element on pipeline stage ``stage``."""
+        return (self.hw if self.stage_hw is None else self.stage_hw[stage]).elementwise_s
 
     def links(self, plan: Plan, order: tuple[Axis, ...]) -> AxisLinks:
         """The links of ``plan``'s layout placed in ``order``."""
@@ -322,7 +333,7 @@ class TimeModel:
         fwd = self._fwd.get(key)
         if fwd is None:
             fwd = self._fwd[key] = tm.forward_s(
-                load, mbs=mbs, tp=tp, flops_per_s=self.rate(mbs, tp), elementwise_s=self.hw.elementwise_s,
+                load, mbs=mbs, tp=tp, flops_per_s=self.rate(mbs, tp, load.index), elementwise_s=self._elementwise_s(load.index),
                 attention_efficiency=self.hw.calibration.attention_efficiency,
             )
         return fwd
@@ -383,12 +394,12 @@ class TimeModel:
         key = (pp, load.index, mbs, tp, recompute)
         pair = self._compute.get(key)
         if pair is None:
-            fwd, rate, calibration = self.forward_s(pp, load, mbs, tp), self.rate(mbs, tp), self.hw.calibration
+            fwd, rate, calibration = self.forward_s(pp, load, mbs, tp), self.rate(mbs, tp, load.index), self.hw.calibration
             attention_s = tm.fused_attention_s(
                 load.attention_kernel_flops, mbs=mbs, tp=tp, flops_per_s=rate, efficiency=calibration.attention_efficiency
             )
             bwd = tm.backward_s(fwd, attention_s) + tm.recompute_s(load, mbs=mbs, tp=tp, recompute=recompute, flops_per_s=rate,
-                                                                   elementwise_s=self.hw.elementwise_s,
+                                                                   elementwise_s=self._elementwise_s(load.index),
                                                                    attention_efficiency=calibration.attention_efficiency)
             pair = self._compute[key] = (fwd, bwd)
         return pair
@@ -600,7 +611,32 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, plan: Plan, overlaps: Overl
     check_plan(model, cluster, plan)
     if plan.dp_mbs is not None and not cluster.is_homogeneous:
         return _estimate_replicas(model, cluster, with_stage_layers(model, plan), overlaps)
+    if plan.pp > 1 and len(set(stage_devices(cluster, plan))) > 1:
+        return _estimate_stages(model, cluster, with_stage_layers(model, plan), overlaps)
     return estimate_with(model, Hardware.of(cluster, model), with_stage_layers(model, plan), overlaps=overlaps)
+
+
+def stage_devices(cluster: ClusterSpec, plan: Plan) -> tuple[DeviceSpec, ...]:
+    """The device each pipeline stage of ``plan`` runs on, first to last: the slowest of its ranks' devices (every
+    replica's and tensor-parallel rank's of that stage, placed by the plan's order)."""
+    out = []
+    for p in range(plan.pp):
+        ranks = [plan.rank_at(Coordinates(dp=r, tp=t, pp=p)) for r in range(plan.dp) for t in range(plan.tp)]
+        out.append(slowest_device([cluster.rank_device(rank) for rank in ranks]))
+    return tuple(out)
+
+
+def _estimate_stages(model: ModelSpec, cluster: ClusterSpec, plan: Plan, overlaps: Overlaps) -> Estimate:
+    """A pipeline whose stages run on devices that differ: each stage's compute at its own device's matmul and
+    memory-bound rates (:attr:`TimeModel.stage_hw`), communication and the optimizer step on the slowest stage's device,
+    the memory that of the stage with the least headroom on its own device."""
+    devices = stage_devices(cluster, plan)
+    stage_hw = tuple(Hardware.of(cluster.with_device(d), model) for d in devices)
+    hw = Hardware.of(cluster.with_device(slowest_device(list(devices))), model)
+    time = TimeModel(model, hw, plan.stage_layers, overlaps, stage_hw=stage_hw).time(plan)
+    loads = stage_loads(model, plan.pp, plan.stage_layers)
+    memory = max((stage_memory(model, stage_hw[load.index], plan, load) for load in loads), key=mem.MemoryEstimate.shortfall_bytes)
+    return Estimate(model=model, plan=plan, memory=memory, time=time, world_size=cluster.world_size)
 
 
 def replica_devices(cluster: ClusterSpec, plan: Plan) -> tuple[DeviceSpec, ...]:

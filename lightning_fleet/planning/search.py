@@ -62,12 +62,12 @@ from lightning_fleet.planning.estimate import (
     stage_state_bytes,
 )
 from lightning_fleet.planning.estimate import estimate as estimate_plan
-from lightning_fleet.planning.estimate import replica_devices
+from lightning_fleet.planning.estimate import replica_devices, stage_devices
 from lightning_fleet.planning.memory import MemoryEstimate
 from lightning_fleet.planning.model import ModelSpec
 from lightning_fleet.planning.overlap import Overlaps
 from lightning_fleet.planning.plan import DEFAULT_ORDER, Axis, Offload, PartialPlan, Plan, Recompute, field_text
-from lightning_fleet.planning.stages import StageLoad, check_stage_layers, stage_layers
+from lightning_fleet.planning.stages import StageLoad, balanced_stage_layers, check_stage_layers, stage_layers, with_stage_layers
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -328,8 +328,9 @@ class PlanResult:
     misfit_plans: tuple[Plan, ...] = field(default=(), repr=False)
     """The variant closest to fitting of every family that did not fit (for plots)."""
     even_best: Estimate | None = None
-    """On a cluster whose devices differ, when the best plan splits the batch unevenly (``dp_mbs``): the best plan with
-    one micro-batch size on every replica, which is what planning on the slowest device gives."""
+    """On a cluster whose devices differ, when the best plan splits the work by the devices (the replicas' micro-batches,
+    ``dp_mbs``, or the stages' layers, ``stage_layers``): the best plan as planned on the slowest device (one micro-batch
+    size on every replica, layers split by their load)."""
 
     @property
     def best(self) -> Estimate:
@@ -962,8 +963,14 @@ def plan(
     if cons.search_placement and cons.order is None:
         ranked = search.refine_placements(ranked)
     even_best = None
-    if not cluster.is_homogeneous and cons.uneven_dp and cons.search_dp_mbs and cons.mbs is None:
-        uneven = [e for e in (_rebalanced(model, cluster, cons, e) for e in ranked[: top + max(max_rejected, 0)]) if e is not None]
+    if not cluster.is_homogeneous:
+        uneven = []
+        for e in ranked[: top + max(max_rejected, 0)]:
+            if cons.uneven_dp and cons.search_dp_mbs and cons.mbs is None:
+                uneven.append(_rebalanced(model, cluster, cons, e))
+            if cons.uneven_stages and cons.stage_layers is None:
+                uneven.append(_restaged(model, cluster, cons, e))
+        uneven = [e for e in uneven if e is not None]
         if uneven and min(e.time.step_s for e in uneven) < ranked[0].time.step_s:
             even_best, ranked = ranked[0], sorted([*uneven, *ranked], key=_rank_key)
     best = ranked[0]
@@ -983,18 +990,27 @@ def plan(
 
 
 def uneven_split_line(result: PlanResult, cluster: ClusterSpec) -> str:
-    """One line for a best plan that splits the batch over devices that differ: the micro-batch each device type's
-    replicas take, and the speed-up over :attr:`PlanResult.even_best` (planning on the slowest device)."""
+    """One line for a best plan that splits the work by devices that differ: the micro-batch each device type's replicas
+    take and the layers each device type's stages hold, and the speed-up over :attr:`PlanResult.even_best` (planning on
+    the slowest device)."""
     best, even = result.best, result.even_best
     assert even is not None
-    groups: dict[str, list[int]] = {}
-    for device, r in zip(replica_devices(cluster, best.plan), range(best.plan.dp)):
-        groups.setdefault(device.name, []).append(best.plan.replica_mbs(r))
-    parts = [f"{len(sizes)} replica{'s' if len(sizes) > 1 else ''} on {name} at mbs {field_text(tuple(sorted(set(sizes), reverse=True)))}"
-             for name, sizes in groups.items()]
+    parts = []
+    if best.plan.dp_mbs is not None:
+        by_device: dict[str, list[int]] = {}
+        for device, r in zip(replica_devices(cluster, best.plan), range(best.plan.dp)):
+            by_device.setdefault(device.name, []).append(best.plan.replica_mbs(r))
+        parts += [f"{len(sizes)} replica{'s' if len(sizes) > 1 else ''} on {name} at mbs "
+                  f"{field_text(tuple(sorted(set(sizes), reverse=True)))}" for name, sizes in by_device.items()]
+    if best.plan.stage_layers is not None and best.plan.pp > 1:
+        by_stage: dict[str, list[int]] = {}
+        for device, layers in zip(stage_devices(cluster, best.plan), best.plan.stage_layers):
+            by_stage.setdefault(device.name, []).append(layers)
+        parts += [f"{len(layers)} stage{'s' if len(layers) > 1 else ''} on {name} holding {field_text(tuple(layers))} layers"
+                  for name, layers in by_stage.items()]
     return (
-        f"uneven split: {'; '.join(parts)}: {result.speedup_over_even:.2f}x the throughput of the best even split "
-        f"({even.plan}: {even.time.step_s:.4g} s, what planning on the slowest device gives)"
+        f"split by device: {'; '.join(parts)}: {result.speedup_over_even:.2f}x the throughput of the best plan for the "
+        f"slowest device ({even.plan}: {even.time.step_s:.4g} s)"
     )
 
 
@@ -1035,6 +1051,30 @@ def _rebalanced(model: ModelSpec, cluster: ClusterSpec, cons: Constraints, even:
         return None
     uneven = estimate_plan(model, cluster, split, overlaps=cons.overlaps)
     return uneven if uneven.fits else None
+
+
+def _restaged(model: ModelSpec, cluster: ClusterSpec, cons: Constraints, planned: Estimate) -> Estimate | None:
+    """``planned``'s pipeline with its layers split by its stages' devices (:func:`stages.balanced_stage_layers` with
+    each stage's speed and memory), priced stage by stage; None without a pipeline over devices that differ, or when
+    that split is the one it has or does not fit."""
+    plan = planned.plan
+    if plan.pp == 1:
+        return None
+    devices = stage_devices(cluster, plan)
+    if len(set(devices)) == 1:
+        return None
+    dtype = model.precision.compute_dtype
+    fastest = max(getattr(d.peak_tflops, dtype) for d in devices)
+    largest = max(d.memory_gib for d in devices)
+    capacity = tuple((getattr(d.peak_tflops, dtype) / fastest, d.memory_gib / largest) for d in devices)
+    try:
+        restaged = plan.replace(stage_layers=balanced_stage_layers(model, plan.pp, capacity))
+    except PlanError:  # e.g. an interleaved schedule that this split leaves a virtual stage without a layer
+        return None
+    if restaged.stage_layers == with_stage_layers(model, plan).stage_layers:
+        return None
+    e = estimate_plan(model, cluster, restaged, overlaps=cons.overlaps)
+    return e if e.fits else None
 
 
 def split_by_speed(model: ModelSpec, cluster: ClusterSpec, plan: Plan, *, overlaps: Overlaps = Overlaps.DEFAULT) -> Plan | None:

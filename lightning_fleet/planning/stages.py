@@ -133,7 +133,7 @@ def check_stage_layers(model: ModelSpec, fixed: tuple[int, ...]) -> None:
 
 
 @functools.lru_cache(maxsize=1024)
-def balanced_stage_layers(model: ModelSpec, pp: int) -> tuple[int, ...]:
+def balanced_stage_layers(model: ModelSpec, pp: int, capacity: tuple[tuple[float, float], ...] | None = None) -> tuple[int, ...]:
     """The default split when pp does not divide the layers: the contiguous split whose busiest stage carries the least
     load, a stage's load being the larger of its forward FLOPs and its parameters, each in units of the average layer's,
     with the embedding and the head (pre and post blocks) counted on the first and the last stage. So an embedding or
@@ -143,10 +143,16 @@ def balanced_stage_layers(model: ModelSpec, pp: int) -> tuple[int, ...]:
     bigscience-workshop/bigscience train/tr11-176B-ml/README.md, Architecture). Among the splits with that least load, stages fill from the last, so the
     first stages, which keep the most micro-batches in flight under 1F1B
     (:func:`lightning_fleet.planning.memory.in_flight_microbatches`), take what remains. Every stage keeps at least one
-    layer, except an end stage that holds pre or post blocks. Needs pp <= num_layers."""
+    layer, except an end stage that holds pre or post blocks. Needs pp <= num_layers.
+
+    ``capacity`` (one pair per stage, first to last) is what each stage's devices hold relative to the others: its
+    compute speed and its memory, each over the largest. A stage's load is then its FLOPs over its speed and its
+    parameters over its memory, so a stage on faster devices carries more layers (stages on mixed devices); None: alike."""
     if not 1 <= pp <= model.num_layers:
         raise PlanError(f"plan: pp({pp}) must be between 1 and num_layers({model.num_layers}) to split the layers")
-    costs = _LayerCosts(model, pp)
+    if capacity is not None and (len(capacity) != pp or any(not (c > 0 and m > 0) for c, m in capacity)):
+        raise PlanError(f"plan: capacity must give pp({pp}) positive (speed, memory) pairs, got {capacity!r}")
+    costs = _LayerCosts(model, pp, capacity)
     split = costs.fill(costs.bounds(costs.least_load() * _SLACK))
     assert split is not None  # the load came from a split within it
     return split
@@ -169,8 +175,10 @@ class _LayerCosts:
     """Prefix sums of the layers' forward FLOPs and parameters, and the end stages' extra blocks, for splitting (resource
     0: FLOPs, 1: parameters)."""
 
-    def __init__(self, model: ModelSpec, pp: int) -> None:
+    def __init__(self, model: ModelSpec, pp: int, capacity: tuple[tuple[float, float], ...] | None = None) -> None:
         self.pp = pp
+        self.scale = capacity or ((1.0, 1.0),) * pp
+        """What each stage holds of a unit of load, per resource (its compute speed and memory, relative)."""
         self.prefix: tuple[list[float], list[float]] = ([0.0], [0.0])
         for block in model.blocks:
             if block.role is Role.LAYER:
@@ -195,12 +203,13 @@ class _LayerCosts:
         return self.prefix[resource][hi] - self.prefix[resource][lo] + self.extra[stage][resource]
 
     def _fits(self, lo: int, hi: int, stage: int, bounds: tuple[float, float]) -> bool:
-        return self.cost(0, lo, hi, stage) <= bounds[0] and self.cost(1, lo, hi, stage) <= bounds[1]
+        scale = self.scale[stage]
+        return self.cost(0, lo, hi, stage) <= bounds[0] * scale[0] and self.cost(1, lo, hi, stage) <= bounds[1] * scale[1]
 
     def _most(self, resource: int, hi: int, stage: int, bound: float) -> int:
         """The most layers ending before ``hi`` that keep the stage within ``bound`` in ``resource`` (prefix sums never
         decrease, so a bisection finds it; the steps after it only settle what rounding left open)."""
-        prefix = self.prefix[resource]
+        prefix, bound = self.prefix[resource], bound * self.scale[stage][resource]
         n = hi - bisect.bisect_left(prefix, prefix[hi] + self.extra[stage][resource] - bound, 0, hi)
         while n > 0 and self.cost(resource, hi - n, hi, stage) > bound:
             n -= 1
@@ -229,7 +238,8 @@ class _LayerCosts:
         for n in split:
             edges.append(edges[-1] + n)
         return max(
-            self.cost(resource, edges[i], edges[i + 1], i) / unit for i in range(self.pp) for resource, unit in enumerate(self.unit) if unit > 0
+            self.cost(resource, edges[i], edges[i + 1], i) / unit / self.scale[i][resource]
+            for i in range(self.pp) for resource, unit in enumerate(self.unit) if unit > 0
         )
 
     def bounds(self, load: float) -> tuple[float, float]:
