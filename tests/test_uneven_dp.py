@@ -239,7 +239,7 @@ needs_cgroups = pytest.mark.skipif(os.geteuid() != 0 or not os.access(CPU_CGROUP
                                    reason="needs root and a writable cgroup v1 cpu controller to slow one rank down")
 
 
-def _throttled_run(tmp_path: Path, monkeypatch, quota_us: int, steps: int, **env: str) -> tuple[list[dict], str]:
+def _throttled_run(tmp_path: Path, monkeypatch, quota_us: int, steps: int, plan: str = "dp=2,zero=1", **env: str) -> tuple[list[dict], str]:
     """The training worker with rank 1 in a CPU cgroup of its own (period 10 ms, quota ``quota_us``, -1: none yet),
     each rank on its own core; the cgroup is removed afterwards."""
     from tests.multiprocess import ROOT, run_worker
@@ -252,7 +252,7 @@ def _throttled_run(tmp_path: Path, monkeypatch, quota_us: int, steps: int, **env
         monkeypatch.setenv("FLEET_TEST_THROTTLED_CGROUP", str(group))
         for key, value in env.items():
             monkeypatch.setenv(key, value)
-        return run_worker(tmp_path, "--plans", "dp=2,zero=1", "--steps", str(steps), "--gbs", str(GBS),
+        return run_worker(tmp_path, "--plans", plan, "--steps", str(steps), "--gbs", str(GBS),
                           worker=ROOT / "tests" / "workers" / "throttled_gpt.py")
     finally:
         for pid in (group / "cgroup.procs").read_text().split():
@@ -298,3 +298,15 @@ def test_a_slowdown_mid_run_is_rebalanced_without_changing_the_optimisation(tmp_
     assert "lightning_fleet: rank speeds" in log and "from step" in log
     assert re.search(r"  split    changed \d+ time\(s\) as the ranks' speeds drifted; last: rank speeds", log)  # the summary
     _matches_reference(results[0], _throttled_reference(steps), results[0]["plan"], atol=THROTTLED_ATOL)
+
+
+@pytest.mark.multiprocess
+@needs_cgroups
+def test_a_pipeline_over_unequal_ranks_gives_the_faster_stage_more_layers(tmp_path, monkeypatch) -> None:
+    """pp=2 fixed, rank 1 (the second stage) at a 30 % quota, no cluster file: the job's measurement sees the ranks
+    differ, the planner gives the first stage more of the 4 layers (balanced_stage_layers with the stages' speeds),
+    DeepSpeed runs that split, and the model trained has the one-process reference's eval loss."""
+    results, log = _throttled_run(tmp_path, monkeypatch, 3000, STEPS, plan="dp=1,pp=2,zero=1")
+    chosen = parse_plan(results[0]["plan"])
+    assert chosen.stage_layers is not None and chosen.stage_layers[0] > chosen.stage_layers[1], (results[0]["plan"], log[-3000:])
+    assert results[0]["eval_loss"] == pytest.approx(_throttled_reference(STEPS)[0], rel=1e-6)
