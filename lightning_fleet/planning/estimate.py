@@ -20,7 +20,7 @@ from lightning_fleet.planning.comm import axis_level
 from lightning_fleet.planning.errors import PlanError
 from lightning_fleet.planning.model import ModelSpec, Precision, Role
 from lightning_fleet.planning.overlap import Overlaps
-from lightning_fleet.planning.plan import Axis, Coordinates, Offload, Plan, Recompute
+from lightning_fleet.planning.plan import Axis, Offload, Plan, Recompute
 from lightning_fleet.planning.stages import StageLoad, stage_loads, with_stage_layers
 
 
@@ -617,13 +617,17 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, plan: Plan, overlaps: Overl
 
 
 def stage_devices(cluster: ClusterSpec, plan: Plan) -> tuple[DeviceSpec, ...]:
-    """The device each pipeline stage of ``plan`` runs on, first to last: the slowest of its ranks' devices (every
-    replica's and tensor-parallel rank's of that stage, placed by the plan's order)."""
-    out = []
-    for p in range(plan.pp):
-        ranks = [plan.rank_at(Coordinates(dp=r, tp=t, pp=p)) for r in range(plan.dp) for t in range(plan.tp)]
-        out.append(slowest_device([cluster.rank_device(rank) for rank in ranks]))
-    return tuple(out)
+    """The device each pipeline stage of ``plan`` runs on, first to last (:func:`axis_devices` along pp)."""
+    return axis_devices(cluster, plan, Axis.PP)
+
+
+def axis_devices(cluster: ClusterSpec, plan: Plan, axis: Axis) -> tuple[DeviceSpec, ...]:
+    """For each index along ``axis`` (a replica, a stage), the slowest device of the ranks at that index
+    (:func:`cluster.slowest_device`), the ranks placed by the plan's order (:meth:`Plan.coordinates`)."""
+    by_index: list[list[DeviceSpec]] = [[] for _ in range(getattr(plan, axis.value))]
+    for rank in range(plan.world_size):
+        by_index[getattr(plan.coordinates(rank), axis.value)].append(cluster.rank_device(rank))
+    return tuple(slowest_device(devices) for devices in by_index)
 
 
 def _estimate_stages(model: ModelSpec, cluster: ClusterSpec, plan: Plan, overlaps: Overlaps) -> Estimate:
@@ -640,13 +644,8 @@ def _estimate_stages(model: ModelSpec, cluster: ClusterSpec, plan: Plan, overlap
 
 
 def replica_devices(cluster: ClusterSpec, plan: Plan) -> tuple[DeviceSpec, ...]:
-    """The device each data-parallel replica of ``plan`` runs on, first to last: the slowest of its ranks' devices
-    (:func:`cluster.slowest_device`), its ranks placed by the plan's order (:meth:`Plan.rank_at`)."""
-    out = []
-    for r in range(plan.dp):
-        ranks = [plan.rank_at(Coordinates(dp=r, tp=t, pp=p)) for t in range(plan.tp) for p in range(plan.pp)]
-        out.append(slowest_device([cluster.rank_device(rank) for rank in ranks]))
-    return tuple(out)
+    """The device each data-parallel replica of ``plan`` runs on, first to last (:func:`axis_devices` along dp)."""
+    return axis_devices(cluster, plan, Axis.DP)
 
 
 def _estimate_replicas(model: ModelSpec, cluster: ClusterSpec, plan: Plan, overlaps: Overlaps) -> Estimate:
