@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.cost_model import OUT, calibrate, free_port, worker_env  # noqa: E402
 from lightning_fleet.planning import estimate, load_cluster, parse_plan  # noqa: E402
-from lightning_fleet.planning.cluster import ClusterSpec, DeviceGroup, PeakTflops  # noqa: E402
+from lightning_fleet.planning.cluster import devices_by_speed  # noqa: E402
 from lightning_fleet.profiling import profile  # noqa: E402
 
 CGROUP_ROOT = Path("/sys/fs/cgroup/cpu")
@@ -127,15 +127,8 @@ def predicted_step_s(cluster_file: Path, quotas: tuple[int, int], plan: str) -> 
     import torch
 
     base = load_cluster(cluster_file)
-    device = base.groups[0].device
-    groups = []
-    for quota in quotas:
-        peak = PeakTflops(**{k: getattr(device.peak_tflops, k) * quota / 100 for k in ("bf16", "fp16", "fp32")})
-        groups.append(DeviceGroup(nodes=1, devices_per_node=1, device=dataclasses.replace(device, name=f"cpu at {quota} %", peak_tflops=peak)))
-    # one device per "node" here, so the host's Adam rate is one process' (no plan here offloads)
-    calibration = dataclasses.replace(base.calibration, cpu_adam_params_per_s=base.calibration.adam_params_per_s)
-    cluster = ClusterSpec(name="two ranks", groups=tuple(groups), intra_node=base.intra_node, inter_node=base.intra_node,
-                          host=base.host, calibration=calibration)
+    fastest = devices_by_speed(base.groups[0].device, [100, max(quotas)])[1]  # the calibrated device at the highest quota
+    cluster = dataclasses.replace(base, rank_devices=devices_by_speed(fastest, list(quotas)))
     model = GPT(**MODEL)
     batch = (torch.zeros(GBS // 2, MODEL["seq_length"], dtype=torch.long),) * 2
     spec = profile(model, batch, global_batch_size=GBS, name="GPT").spec

@@ -58,10 +58,10 @@ from lightning_fleet.elastic.worker import (  # noqa: E402
 )
 from lightning_fleet.export import lightning_checkpoint  # noqa: E402
 from lightning_fleet.hooks import find_layers, module_hooks, tensor_parallel_hook  # noqa: E402
-from lightning_fleet.planning import ClusterSpec, Estimate, FleetError, ModelSpec, Plan, Precision, estimate, load_cluster  # noqa: E402
-from lightning_fleet.planning.cluster import GIB, devices_by_speed  # noqa: E402
-from lightning_fleet.planning.plan import field_text  # noqa: E402
-from lightning_fleet.planning.search import split_by_speed  # noqa: E402
+from lightning_fleet.planning import ClusterSpec, Estimate, FleetError, ModelSpec, Plan, Precision, load_cluster  # noqa: E402
+from lightning_fleet.planning.cluster import GIB  # noqa: E402
+from lightning_fleet.planning.plan import field_text, share_weight  # noqa: E402
+from lightning_fleet.planning.search import rebalance  # noqa: E402
 from lightning_fleet.profiling import Profile, profile  # noqa: E402
 from lightning_fleet.progress import FleetProgress  # noqa: E402
 from lightning_fleet.rng import RngState  # noqa: E402
@@ -106,7 +106,7 @@ class FleetStrategy(DeepSpeedStrategy):
             (on the CPU, as Lightning's teardown leaves it); skipped when that would not fit the host's memory.
         rebalance_every_n_steps: every N optimizer steps every rank probes its sustained speed (about
             ``calibrate.measure.RANK_PROBE_S``); when the speeds have drifted so that another split of each step's
-            samples over the data-parallel replicas is predicted at least REBALANCE_GAIN faster, the replicas' micro-batch
+            samples over the data-parallel replicas is predicted at least ``planning.search.REBALANCE_GAIN`` faster, the replicas' micro-batch
             sizes (``dp_mbs``) change from a later step on: the same samples form each step and the gradient stays the
             global batch's mean, so the optimisation does not change. Only for a data-parallel plan (pp=1) of a module
             whose loss is known not to depend on the micro-batch, under automatic optimization. None (the default):
@@ -643,13 +643,13 @@ class FleetStrategy(DeepSpeedStrategy):
         shares = schedule.at(self.lightning_module.trainer.global_step) if schedule is not None else None
         if shares is None or not self._engine_in_use():
             return loss
-        return loss * (len(shares) * shares[self.dp_rank] / sum(shares))
+        return loss * share_weight(shares, self.dp_rank)
 
     def _rebalance(self) -> None:
         """Every ``rebalance_every_n_steps`` steps (collective: every rank trains the same step): probe each rank's
-        sustained speed, split each micro-step's samples by it (:func:`planning.search.split_by_speed` on the decided cluster
-        with those speeds as its ranks' devices) and, when that is predicted REBALANCE_GAIN faster than the split in
-        use, use it from the first step the data pipeline has not cut yet (the sampler and the loss weights read the
+        sustained speed; when the planner finds a split of each micro-step's samples by them predicted REBALANCE_GAIN
+        faster than the one in use (:func:`planning.search.rebalance`), use it from the first step the data pipeline has
+        not cut yet (the sampler and the loss weights read the
         same :class:`ShareSchedule`); the plan and its estimate follow from that step on."""
         trainer, decision, fit = self.lightning_module.trainer, self.decision, self._fit
         step = trainer.global_step
@@ -668,15 +668,12 @@ class FleetStrategy(DeepSpeedStrategy):
                 return
         fit.last_probe = time.perf_counter()
         speeds = all_ranks(sustained_rate(self.root_device), self.root_device)
-        current = decision.estimate
-        cluster = _with_rank_speeds(decision.cluster, speeds)
-        split = split_by_speed(current.model, cluster, current.plan, overlaps=self.backend.capabilities.overlaps)
-        if split is None or split.dp_mbs == current.plan.dp_mbs:
+        change = rebalance(decision.estimate.model, decision.cluster, decision.estimate.plan, speeds,
+                           overlaps=self.backend.capabilities.overlaps)
+        if change is None:
             return
-        now = estimate(current.model, cluster, current.plan, overlaps=self.backend.capabilities.overlaps)
-        new = estimate(current.model, cluster, split, overlaps=self.backend.capabilities.overlaps)
-        if not new.fits or new.time.step_s * REBALANCE_GAIN > now.time.step_s:
-            return
+        now, new = change
+        split = new.plan
         start = step + fit.prefetched_steps
         shares = split.replica_samples() if split.dp_mbs is not None else None
         fit.shares.set_from(start, shares)
@@ -808,18 +805,6 @@ REBALANCE_EVERY_N_STEPS = 100
 """How often (in optimizer steps) the ranks probe their speed when ``rebalance_every_n_steps`` is left at None."""
 REBALANCE_OVERHEAD = 0.01
 """The most of the time trained that automatic rebalancing's probes may take (each takes RANK_PROBE_S)."""
-REBALANCE_GAIN = 1.05
-"""A new split of the batch over the replicas is used only when it is predicted at least this much faster (speeds
-measured on a shared machine wander by several percent; the split should not flap)."""
-
-
-def _with_rank_speeds(cluster: ClusterSpec, speeds: list[float]) -> ClusterSpec:
-    """``cluster`` with each rank's device its fastest device's peaks scaled by the rank's measured speed over the
-    fastest rank's (:func:`planning.cluster.devices_by_speed`)."""
-    fastest = max((cluster.rank_device(r) for r in range(cluster.world_size)), key=lambda d: d.peak_tflops.fp32)
-    return dataclasses.replace(cluster, rank_devices=devices_by_speed(fastest, speeds))
-
-
 def _check_trainer_flags(trainer) -> None:  # type: ignore[no-untyped-def]
     """Trainer flags that the plan or the step order replace."""
     if trainer.accumulate_grad_batches != 1:

@@ -173,13 +173,9 @@ class Plan:
         return tuple(self.gas * self.replica_mbs(r) for r in range(self.dp))
 
     def loss_weight(self, dp_rank: int) -> float:
-        """What replica ``dp_rank`` multiplies its micro-batch losses by so that the runtime's gradient, the mean over
-        replicas of each replica's mean over its micro-batches, is the mean over the global batch:
-        dp * its micro-batch size / the sum of them (1 when they are equal). Exact for a loss that is a mean over the
-        micro-batch's samples."""
-        if self.dp_mbs is None:
-            return 1.0
-        return self.dp * self.dp_mbs[dp_rank] / sum(self.dp_mbs)
+        """What replica ``dp_rank`` multiplies its micro-batch losses by (:func:`share_weight` of its
+        :meth:`replica_samples`); 1 when the replicas' micro-batches are equal."""
+        return 1.0 if self.dp_mbs is None else share_weight(self.replica_samples(), dp_rank)
 
     def __str__(self) -> str:
         text = (
@@ -309,6 +305,13 @@ def _check_stage_layers(value: object) -> tuple[int, ...]:
     if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in value) or not sum(value):
         raise PlanError(f"plan: stage_layers must be non-negative layer counts with at least one layer, got {value!r}")
     return tuple(value)
+
+
+def share_weight(shares: tuple[int, ...], dp_rank: int) -> float:
+    """What a replica multiplies its micro-batch losses by so that the runtime's gradient, the mean over replicas of each
+    replica's mean over its micro-batches, is the mean over the global batch: dp * its share / the sum of the shares.
+    Exact for a loss that is a mean over the micro-batch's samples."""
+    return len(shares) * shares[dp_rank] / sum(shares)
 
 
 def _check_dp_mbs(value: object, *, dp: int | None, mbs: int | None) -> tuple[int, ...]:

@@ -48,7 +48,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from lightning_fleet.planning.cluster import GIB, ClusterSpec, DeviceSpec, LinkLevel
+from lightning_fleet.planning.cluster import GIB, ClusterSpec, DeviceSpec, LinkLevel, devices_by_speed
 from lightning_fleet.planning.comm import axis_level
 from lightning_fleet.planning.errors import NoFeasiblePlanError, PlanError
 from lightning_fleet.planning.estimate import (
@@ -1097,6 +1097,28 @@ def split_by_speed(model: ModelSpec, cluster: ClusterSpec, plan: Plan, *, overla
     if sizes is None:
         return None
     return plan.replace(mbs=max(sizes), dp_mbs=sizes)
+
+
+REBALANCE_GAIN = 1.05
+"""A new split of the batch over the replicas is taken only when it is predicted at least this much faster (speeds
+measured on a shared machine wander by several percent; the split should not flap)."""
+
+
+def rebalance(
+    model: ModelSpec, cluster: ClusterSpec, plan: Plan, speeds: list[float], *, overlaps: Overlaps = Overlaps.DEFAULT
+) -> tuple[Estimate, Estimate] | None:
+    """After the ranks measured ``speeds`` (rank 0 first): the estimate of ``plan`` and of its replicas' micro-batches
+    split by those speeds (:func:`split_by_speed` on ``cluster`` with each rank's device its fastest device scaled by its
+    speed, :func:`~lightning_fleet.planning.cluster.devices_by_speed`), when the new split is another, fits and is
+    predicted at least REBALANCE_GAIN faster; else None."""
+    fastest = max((cluster.rank_device(r) for r in range(cluster.world_size)), key=lambda d: d.peak_tflops.fp32)
+    measured = dataclasses.replace(cluster, rank_devices=devices_by_speed(fastest, speeds))
+    split = split_by_speed(model, measured, plan, overlaps=overlaps)
+    if split is None or split.dp_mbs == plan.dp_mbs:
+        return None
+    now = estimate_plan(model, measured, plan, overlaps=overlaps)
+    new = estimate_plan(model, measured, split, overlaps=overlaps)
+    return (now, new) if new.fits and new.time.step_s * REBALANCE_GAIN <= now.time.step_s else None
 
 
 def _plan_uneven_dp(
