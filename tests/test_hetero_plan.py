@@ -13,8 +13,8 @@ import json
 import pytest
 
 from lightning_fleet.cli import main
-from lightning_fleet.planning import FleetError, estimate, load_cluster, load_model, parse_plan, plan
-from lightning_fleet.planning.cluster import DeviceSpec, PeakTflops, slowest_device
+from lightning_fleet.planning import FleetError, Plan, estimate, load_cluster, load_model, parse_plan, plan
+from lightning_fleet.planning.cluster import DeviceSpec, PeakTflops, cluster_from_dict, slowest_device
 from lightning_fleet.planning.estimate import replica_devices
 from lightning_fleet.planning.search import balance_micro_batches
 
@@ -139,7 +139,71 @@ def test_devices_by_speed_scale_the_fastest_device() -> None:
     assert [d.name for d in slow_fast] == ["gpu rank 0", "gpu rank 1"]
     assert slow_fast[1].peak_tflops == H100.peak_tflops
     assert slow_fast[0].peak_tflops == PeakTflops(bf16=989 / 2, fp16=989 / 2, fp32=67 / 2)
-    assert slow_fast[0].memory_gib == H100.memory_gib and slow_fast[0].memory_GBps == H100.memory_GBps
+    assert slow_fast[0].memory_gib == H100.memory_gib and slow_fast[0].memory_GBps == H100.memory_GBps / 2
+    assert (slow_fast[0].slowdown, slow_fast[1].slowdown) == (2.0, 1.0)
+    assert slow_fast[0].host_slowdown == slow_fast[1].host_slowdown == 1.0
+
+
+def test_devices_by_speed_take_each_ranks_host_and_memory() -> None:
+    """A rank's host measured at a third of the fastest host's speed takes 3x its framework time; memory is its own."""
+    from lightning_fleet.planning.cluster import devices_by_speed
+
+    devices = devices_by_speed(H100, [4.0, 4.0, 1.0], host_speeds=[3.0, 1.0, 3.0], memory_gib=[80, 40, 80])
+    assert [d.host_slowdown for d in devices] == [1.0, 3.0, 1.0]
+    assert [d.slowdown for d in devices] == [1.0, 1.0, 4.0]
+    assert [d.memory_gib for d in devices] == [80, 40, 80]
+    with pytest.raises(FleetError, match="each rank needs one positive speed, host speed and memory"):
+        devices_by_speed(H100, [1.0, 0.0])
+    with pytest.raises(FleetError, match="each rank needs one positive speed"):
+        devices_by_speed(H100, [1.0, 2.0], host_speeds=[1.0])
+
+
+def test_calibration_on_a_slower_device_and_host_by_hand() -> None:
+    """Calibration.on: per-element and device Adam work scale by the device's slowdown, every host time and CPU Adam by
+    its host's; a device at the calibration's speed gets the calibration itself."""
+    from lightning_fleet.planning.cluster import Calibration
+
+    c = Calibration(op_overhead_s=1e-5, microbatch_overhead_s=2e-3, step_overhead_s=0.1, elementwise_s=1e-9,
+                    zero_step_overhead_s=(0.0, 0.01, 0.02, 0.03), zero_tensor_overhead_s=(1e-5, 1e-5, 2e-5, 3e-5),
+                    offload_tensor_overhead_s=(1e-4, 2e-4), adam_params_per_s=1e9, cpu_adam_params_per_s=1e8)
+    slow = dataclasses.replace(H100, slowdown=2.0, host_slowdown=3.0)
+    on = c.on(slow)
+    assert c.on(H100) is c
+    assert on.elementwise_s == pytest.approx(2e-9) and on.adam_params_per_s == pytest.approx(5e8)
+    assert (on.op_overhead_s, on.microbatch_overhead_s, on.step_overhead_s) == pytest.approx((3e-5, 6e-3, 0.3))
+    assert on.zero_step_overhead_s == pytest.approx((0.0, 0.03, 0.06, 0.09))
+    assert on.zero_tensor_overhead_s == pytest.approx((3e-5, 3e-5, 6e-5, 9e-5))
+    assert on.offload_tensor_overhead_s == pytest.approx((3e-4, 6e-4)) and on.cpu_adam_params_per_s == pytest.approx(1e8 / 3)
+    assert on.matmul_efficiency == c.matmul_efficiency and on.overlap == c.overlap
+
+
+def test_a_slower_host_slows_its_replica_in_the_estimate() -> None:
+    """Two CPU ranks of equal GEMM speed, rank 1's host at half speed: its replica's per-operator time doubles, so the
+    planner gives it fewer samples than rank 0 (the GEMMs alone would split evenly), and the estimate of an even split
+    is paced by it."""
+    from lightning_fleet.planning.cluster import devices_by_speed
+    from lightning_fleet.planning.search import split_by_speed
+
+    base = load_cluster("cpu")
+    cpu = base.with_calibration(dataclasses.replace(base.calibration, op_overhead_s=1e-4))
+    model = dataclasses.replace(load_model("gpt-tiny"), forward_ops=200)  # 0.06 s of host time a micro-batch
+    hosts = dataclasses.replace(cpu, rank_devices=devices_by_speed(cpu.groups[0].device, [1.0, 1.0], host_speeds=[2.0, 1.0]))
+    same = dataclasses.replace(cpu, rank_devices=devices_by_speed(cpu.groups[0].device, [1.0, 1.0]))
+    even = Plan(dp=2, tp=1, pp=1, zero=1, mbs=model.global_batch_size // 2, gas=1)
+    assert estimate(model, hosts, even).time.step_s > estimate(model, same, even).time.step_s
+    split = split_by_speed(model, hosts, even)
+    assert split is not None and split.dp_mbs is not None and split.dp_mbs[0] > split.dp_mbs[1]
+    assert split_by_speed(model, same, even) == even  # alike: the even split
+
+
+def test_device_slowdowns_read_back_and_bad_ones_are_one_line() -> None:
+    cpu = load_cluster("cpu")
+    slow = dataclasses.replace(cpu.groups[0].device, slowdown=2.0, host_slowdown=1.5)
+    measured = dataclasses.replace(cpu, rank_devices=(cpu.groups[0].device, slow))
+    assert cluster_from_dict(measured.to_dict()) == measured
+    assert "slowdown" not in measured.to_dict()["rank_devices"][0]
+    with pytest.raises(FleetError, match=r"device.slowdown must be a number >= 1 .* got 0.5"):
+        dataclasses.replace(slow, slowdown=0.5)
 
 
 def test_stage_capacity_moves_layers_to_the_faster_stage_by_hand() -> None:

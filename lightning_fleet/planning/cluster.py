@@ -14,8 +14,10 @@ YAML form (homogeneous)::
     calibration: {...}                                  # optional; fitted constants, see Calibration
 
 A heterogeneous cluster replaces ``nodes/devices_per_node/device`` with
-``groups: [{nodes: 2, devices_per_node: 8, device: {...}}, ...]``; it is planned homogeneously on
-the slowest, smallest device (:meth:`ClusterSpec.planning_device`).
+``groups: [{nodes: 2, devices_per_node: 8, device: {...}}, ...]`` (ranks fill the groups in order); a job whose ranks
+measured differently states each rank's device in ``rank_devices: [...]``. The planner prices each data-parallel replica
+and each pipeline stage on its own ranks' devices (:meth:`ClusterSpec.rank_device`) and splits the batch and the layers
+by them; the view every plan starts from is the slowest, smallest device (:meth:`ClusterSpec.planning_device`).
 
 Pure (stdlib + yaml); imported across the planning core and by its users (decide, calibrate, the CLI, the strategy).
 """
@@ -83,11 +85,26 @@ class DeviceSpec:
     memory-bound operators (norms, activations, softmax, adds) run when the calibration does not state
     ``elementwise_s`` (:func:`lightning_fleet.planning.time.memory_bound_element_s`). None: not known; their time is
     then folded into ``calibration.matmul_efficiency``."""
+    slowdown: float = 1.0
+    """How many times the calibration's device this device takes for the work the calibration prices per element and
+    per parameter (``elementwise_s``, ``adam_params_per_s``): 1 for a device from a data sheet (its own peak and
+    bandwidth say how fast it is); a rank of a job measured at half the speed of its fastest rank: 2
+    (:func:`devices_by_speed`)."""
+    host_slowdown: float = 1.0
+    """How many times the calibration's host this device's host takes to dispatch operators and run the framework's
+    work per micro-batch and per step (``op_overhead_s`` and the other ``*_overhead_s``, ``cpu_adam_params_per_s``): 1
+    unless measured otherwise; a CPU worker whose core is throttled to half: 2 (:func:`devices_by_speed`)."""
 
     def __post_init__(self) -> None:
         require_positive("device.", memory_gib=self.memory_gib)
         if self.memory_GBps is not None:
             require_positive("device.", memory_GBps=self.memory_GBps)
+        for name in ("slowdown", "host_slowdown"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 1:
+                raise SpecError(
+                    f"device.{name} must be a number >= 1 (how many times the calibrated device's time it takes), got {value!r}"
+                )
 
     @property
     def memory_bytes(self) -> float:
@@ -201,25 +218,46 @@ def slowest_device(devices: list[DeviceSpec]) -> DeviceSpec:
     return DeviceSpec(
         name=f"slowest of {names}", memory_gib=min(d.memory_gib for d in devices), peak_tflops=peak,
         memory_GBps=None if None in bandwidths else min(b for b in bandwidths if b is not None),
+        slowdown=max(d.slowdown for d in devices), host_slowdown=max(d.host_slowdown for d in devices),
     )
 
 
-def devices_by_speed(fastest: DeviceSpec, speeds: list[float]) -> tuple[DeviceSpec, ...]:
-    """One device per rank from each rank's measured speed: ``fastest`` (the fastest rank's device) with its peaks
-    scaled by the rank's speed over the fastest's, named by rank."""
+def devices_by_speed(
+    fastest: DeviceSpec, speeds: list[float], host_speeds: list[float] | None = None, memory_gib: list[float] | None = None
+) -> tuple[DeviceSpec, ...]:
+    """One device per rank from what each rank measured, named by rank: ``fastest`` (the fastest rank's device, at the
+    calibration's speed) with its peaks and memory bandwidth scaled by the rank's compute speed over the fastest's
+    (``slowdown`` their inverse), its ``host_slowdown`` the fastest host's speed over the rank's (``host_speeds``; None:
+    every host alike), and the rank's own memory where ``memory_gib`` gives one."""
     top, name = max(speeds), fastest.name.split(" rank ")[0]
+    hosts = host_speeds or [1.0] * len(speeds)
+    top_host = max(hosts)
+    if len(hosts) != len(speeds) or (memory_gib is not None and len(memory_gib) != len(speeds)) or min(speeds + hosts) <= 0:
+        raise SpecError(f"each rank needs one positive speed, host speed and memory; got {speeds}, {host_speeds}, {memory_gib}")
+
+    def scaled(value: float, speed: float) -> float:
+        return value * speed / top
+
     return tuple(
-        dataclasses.replace(fastest, name=f"{name} rank {r}", peak_tflops=PeakTflops(
-            bf16=fastest.peak_tflops.bf16 * speed / top, fp16=fastest.peak_tflops.fp16 * speed / top,
-            fp32=fastest.peak_tflops.fp32 * speed / top))
-        for r, speed in enumerate(speeds)
+        dataclasses.replace(
+            fastest, name=f"{name} rank {r}",
+            peak_tflops=PeakTflops(bf16=scaled(fastest.peak_tflops.bf16, speed), fp16=scaled(fastest.peak_tflops.fp16, speed),
+                                   fp32=scaled(fastest.peak_tflops.fp32, speed)),
+            memory_GBps=None if fastest.memory_GBps is None else scaled(fastest.memory_GBps, speed),
+            memory_gib=fastest.memory_gib if memory_gib is None else memory_gib[r],
+            slowdown=fastest.slowdown * top / speed, host_slowdown=fastest.host_slowdown * top_host / host,
+        )
+        for r, (speed, host) in enumerate(zip(speeds, hosts))
     )
 
 
-def _without_unknown_bandwidth(group: dict[str, Any]) -> dict[str, Any]:
-    """A group's mapping without ``device.memory_GBps`` where it is not known (None is the default it reads back as)."""
-    if group["device"].get("memory_GBps") is None:
-        group["device"].pop("memory_GBps", None)
+def _without_defaults(group: dict[str, Any]) -> dict[str, Any]:
+    """A group's mapping without the device keys that hold their default (``memory_GBps`` not known, no slowdown):
+    what it reads back as, and what a cluster file states."""
+    device = group["device"]
+    for key, default in (("memory_GBps", None), ("slowdown", 1.0), ("host_slowdown", 1.0)):
+        if device.get(key, default) == default:
+            device.pop(key, None)
     return group
 
 
@@ -303,6 +341,25 @@ class Calibration:
         if offload_level and self.offload_tensor_overhead_s:
             per_tensor += self.offload_tensor_overhead_s[offload_level - 1]
         return self.microbatch_overhead_s + per_tensor * param_tensors
+
+    def on(self, device: DeviceSpec) -> "Calibration":
+        """The constants as ``device`` runs them: its per-element and Adam work ``device.slowdown`` times the
+        calibrated time, its host's framework work and CPU Adam ``device.host_slowdown`` times (itself when both are 1)."""
+        work, host = device.slowdown, device.host_slowdown
+        if work == 1 and host == 1:
+            return self
+        return dataclasses.replace(
+            self,
+            step_overhead_s=self.step_overhead_s * host,
+            microbatch_overhead_s=self.microbatch_overhead_s * host,
+            op_overhead_s=self.op_overhead_s * host,
+            zero_step_overhead_s=tuple(v * host for v in self.zero_step_overhead_s),
+            zero_tensor_overhead_s=tuple(v * host for v in self.zero_tensor_overhead_s),
+            offload_tensor_overhead_s=tuple(v * host for v in self.offload_tensor_overhead_s),
+            cpu_adam_params_per_s=self.cpu_adam_params_per_s / host,
+            elementwise_s=None if self.elementwise_s is None else self.elementwise_s * work,
+            adam_params_per_s=self.adam_params_per_s / work,
+        )
 
     def __post_init__(self) -> None:
         require_positive(
@@ -447,7 +504,7 @@ class ClusterSpec:
     def to_dict(self) -> dict[str, Any]:
         """Plain mapping in the YAML layout (homogeneous form when there is one group)."""
         out: dict[str, Any] = {"name": self.name}
-        groups = [_without_unknown_bandwidth(to_mapping(g)) for g in self.groups]
+        groups = [_without_defaults(to_mapping(g)) for g in self.groups]
         if len(groups) == 1:
             out.update(groups[0])
         else:
@@ -459,7 +516,7 @@ class ClusterSpec:
         if self.calibration != Calibration():
             out["calibration"] = {k: v for k, v in to_mapping(self.calibration).items() if v is not None}
         if self.rank_devices:
-            out["rank_devices"] = [_without_unknown_bandwidth({"device": to_mapping(d)})["device"] for d in self.rank_devices]
+            out["rank_devices"] = [_without_defaults({"device": to_mapping(d)})["device"] for d in self.rank_devices]
         return out
 
     def to_yaml(self) -> str:

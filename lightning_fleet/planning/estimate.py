@@ -52,9 +52,10 @@ class Hardware:
 
     @classmethod
     def of(cls, cluster: ClusterSpec, model: ModelSpec) -> "Hardware":
-        """Derive from a cluster, planning heterogeneous clusters on their slowest device."""
+        """Derive from a cluster, on its planning device (:meth:`ClusterSpec.planning_device`, the slowest) with the
+        calibration as that device runs it (:meth:`Calibration.on`)."""
         device = cluster.planning_device()
-        host = cluster.host
+        host, calibration = cluster.host, cluster.calibration.on(device)
         return cls(
             world_size=cluster.world_size,
             devices_per_node=cluster.devices_per_node,
@@ -64,8 +65,8 @@ class Hardware:
             inter_node=cluster.inter_node,
             host_bytes_per_device=host.memory_gib * GIB / cluster.devices_per_node if host else 0.0,
             pcie_GBps=host.pcie_GBps if host else 0.0,
-            calibration=cluster.calibration,
-            elementwise_s=_elementwise_s(cluster.calibration, device, model.precision),
+            calibration=calibration,
+            elementwise_s=_elementwise_s(calibration, device, model.precision),
         )
 
     def with_fastest_links(self) -> "Hardware":
@@ -83,7 +84,8 @@ class Hardware:
 
 
 def _elementwise_s(calibration: Calibration, device: DeviceSpec, precision: Precision) -> float:
-    """:attr:`Hardware.elementwise_s`: the calibration's where it states one, else the device memory's rate, else 0."""
+    """:attr:`Hardware.elementwise_s`: the calibration's (as the device runs it) where it states one, else the device
+    memory's rate, else 0."""
     if calibration.elementwise_s is not None:
         return calibration.elementwise_s
     if device.memory_GBps is None:
