@@ -300,6 +300,8 @@ def _print_plan(result: PlanResult, model: ModelSpec, cluster: ClusterSpec) -> N
     console.print(table)
     if result.even_best is not None:
         console.print(uneven_split_line(result, cluster))
+    if result.leave_out is not None:
+        console.print(result.leave_out.line(result.best))
     if result.rejected:
         why = Table("not chosen", "why", title="runners-up, then misfits (closest first)")
         why.columns[0].overflow = "fold"

@@ -34,6 +34,7 @@ from lightning_fleet.planning import (
 )
 from lightning_fleet.planning import plan as search_plans
 from lightning_fleet.planning.cluster import GIB
+from lightning_fleet.planning.search import uneven_split_line
 from lightning_fleet.planning.plan import field_text
 from lightning_fleet.runtime.base import Capabilities, ModuleHooks
 
@@ -336,4 +337,8 @@ def report_lines(chosen: Estimate, result: PlanResult | None, cluster: ClusterSp
             lines.append(f"  runner-up {runner.plan}: {runner.time.step_s:.4g} s/step ({runner.time.step_s / chosen.time.step_s:.2f}x)")
         for rejection in [r for r in result.rejected if r.kind is not RejectionKind.SLOWER][:2]:
             lines.append(f"  misfit   {rejection.plan}: {rejection.reason}")
+        if result.even_best is not None:
+            lines.append(f"  {uneven_split_line(result, cluster)}")
+        if result.leave_out is not None:
+            lines.append(f"  {result.leave_out.line(result.best)}")
     return tuple(lines)

@@ -34,12 +34,12 @@ from lightning.pytorch.trainer.states import RunningStage, TrainerFn  # noqa: E4
 from lightning_fleet.calibrate.measure import (  # noqa: E402
     WorldShape,
     across_ranks,
-    all_ranks,
     cache_path,
     load_cached,
     measure_cluster,
+    device_memory_gib,
+    measure_ranks,
     save_cache,
-    sustained_rate,
 )
 from lightning_fleet.calibrate.measure import RANK_PROBE_S  # noqa: E402
 from lightning_fleet.data import TrainingData, example_batch, inspect_training_loader, step_loader  # noqa: E402
@@ -667,9 +667,10 @@ class FleetStrategy(DeepSpeedStrategy):
             if since * REBALANCE_OVERHEAD < RANK_PROBE_S:
                 return
         fit.last_probe = time.perf_counter()
-        speeds = all_ranks(sustained_rate(self.root_device), self.root_device)
+        ranks = measure_ranks(self.root_device, device_memory_gib(self.root_device, self.num_processes))
+        speeds = list(ranks.flops_per_s)
         change = rebalance(decision.estimate.model, decision.cluster, decision.estimate.plan, speeds,
-                           overlaps=self.backend.capabilities.overlaps)
+                           host_speeds=list(ranks.ops_per_s), overlaps=self.backend.capabilities.overlaps)
         if change is None:
             return
         now, new = change

@@ -414,8 +414,30 @@ def test_one_process_has_one_speed_and_no_per_rank_devices(monkeypatch) -> None:
     assert measure.all_ranks(3.5, torch.device("cpu")) == [3.5]
     monkeypatch.setattr(measure, "RANK_PROBE_S", 0.05)
     start = time.perf_counter()
-    rate = measure.sustained_rate(torch.device("cpu"), width=64)
-    assert time.perf_counter() - start >= 0.05 and rate > 0
+    speed = measure.sustained_speed(torch.device("cpu"), width=64)
+    assert time.perf_counter() - start >= 0.05 and speed.flops_per_s > 0 and speed.ops_per_s > 0
     monkeypatch.setattr(measure, "matmul_rate", lambda *args, **kwargs: 2e11)
     _, _, ranks = measure._device_spec(torch.device("cpu"), measure.WorldShape(world_size=1, local_world_size=1, num_nodes=1), 0.0)
-    assert ranks == ()
+    assert ranks is None
+
+
+@pytest.mark.pure
+def test_rank_measures_differ_by_speed_host_or_memory_and_make_one_device_each() -> None:
+    """Ranks are described one by one when their GEMM or host speeds differ by RANK_SPEED_SPREAD or their memory by
+    RANK_MEMORY_SPREAD; a spread under its threshold is noise and leaves that figure alike across the devices."""
+    from lightning_fleet.calibrate.measure import RankMeasures, rank_devices
+    from lightning_fleet.planning import load_cluster
+
+    alike = RankMeasures(flops_per_s=(1.0, 1.1), ops_per_s=(5.0, 4.5), memory_gib=(10.0, 10.5))
+    assert not alike.differ()
+    slow_host = RankMeasures(flops_per_s=(1.0, 1.1), ops_per_s=(5.0, 2.5), memory_gib=(10.0, 10.0))
+    small = RankMeasures(flops_per_s=(1.0, 1.0), ops_per_s=(5.0, 5.0), memory_gib=(10.0, 5.0))
+    assert slow_host.differ() and small.differ() and slow_host.fastest == 1
+    device = load_cluster("cpu").groups[0].device
+    hosts = rank_devices(device, slow_host)
+    assert [d.host_slowdown for d in hosts] == [1.0, 2.0] and [d.slowdown for d in hosts] == [1.0, 1.0]
+    assert hosts[0].peak_tflops == hosts[1].peak_tflops == device.peak_tflops  # 1.1x: noise, alike
+    memory = rank_devices(device, small)
+    assert [d.memory_gib for d in memory] == [10.0, 5.0] and memory[0].peak_tflops == memory[1].peak_tflops
+    slow = rank_devices(device, RankMeasures(flops_per_s=(2.0, 1.0), ops_per_s=(5.0, 5.0), memory_gib=(10.0, 10.0)))
+    assert slow[1].slowdown == 2.0 and slow[1].peak_tflops.fp32 == device.peak_tflops.fp32 / 2

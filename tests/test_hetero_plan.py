@@ -236,3 +236,70 @@ def test_a_pipeline_over_mixed_devices_gives_the_faster_stages_more_layers() -> 
     assert result.even_best is not None and result.speedup_over_even > 1.2
     slowest = estimate(model, MIXED.with_device(slowest_device([H100, A100])), best.plan)
     assert best.time.step_s < slowest.time.step_s  # the H100 stages priced at their own rate
+
+
+def test_a_stage_whose_end_block_alone_outweighs_the_bound_is_not_a_split() -> None:
+    """A last stage 20x slower than the first (a V100's bf16 against an A100's) cannot hold even the head within a tight
+    bound; the layer split must say so rather than return it (the bisection then never ended): all layers but none go
+    to the fast stage, and the busiest stage's load is the one reported."""
+    from lightning_fleet.planning.stages import _LayerCosts, balanced_stage_layers
+
+    model = load_model("llama-3-8b")
+    capacity = ((1.0, 1.0), (15.7 / 312, 32 / 80))
+    costs = _LayerCosts(model, 2, capacity)
+    head_alone = costs.cost(0, model.num_layers, model.num_layers, 1) / costs.unit[0] / capacity[1][0]
+    assert costs.fill(costs.bounds(head_alone * 0.99)) is None
+    assert balanced_stage_layers(model, 2, capacity) == (model.num_layers, 0)
+
+
+def _one_a100_one_v100_node(inter_GBps: float = 25.0):
+    data = load_cluster("mixed-a100-v100").to_dict()
+    data["groups"][0]["nodes"] = data["groups"][1]["nodes"] = 1
+    data["inter_node"] = {"bandwidth_GBps": inter_GBps, "latency_us": 10}
+    return cluster_from_dict(data)
+
+
+def test_without_devices_keeps_each_nodes_other_ranks() -> None:
+    from lightning_fleet.planning.cluster import devices_by_speed
+
+    mixed = _one_a100_one_v100_node()
+    a100, v100 = mixed.groups[0].device, mixed.groups[1].device
+    rest = mixed.without_devices({v100})
+    assert rest.world_size == 8 and rest.is_homogeneous and rest.groups[0].device == a100 and rest.rank_devices == ()
+    with pytest.raises(FleetError, match="leaves no rank"):
+        mixed.without_devices({a100, v100})
+    cpu = load_cluster("cpu")
+    measured = dataclasses.replace(cpu, rank_devices=devices_by_speed(cpu.groups[0].device, [1.0, 0.1]))
+    alone = measured.without_devices({measured.rank_devices[1]})
+    assert alone.world_size == 1 and alone.groups[0].devices_per_node == 1 and alone.rank_device(0) == measured.rank_devices[0]
+
+
+def test_the_planner_leaves_out_devices_that_slow_the_job_down() -> None:
+    """tinyllama-1.1b trains in bf16; a V100 has no bf16 (its bf16 figure is its fp32 rate, 15.7 against the A100's
+    312 TFLOP/s): its replicas take one sample each and still pace the step, so the 8 A100s alone are faster; the
+    leave-out plan is the planner's best for them, and the line says which ranks and by how much. Where the V100s help
+    (gpt-1.7b in fp16 on the shipped preset) nothing is left out."""
+    mixed = _one_a100_one_v100_node()
+    model = load_model("tinyllama-1.1b")
+    result = plan(model, mixed)
+    leave = result.leave_out
+    assert leave is not None and leave.ranks == tuple(range(8, 16)) and leave.devices == ("V100-SXM2-32GB",)
+    alone = plan(model, mixed.without_devices({mixed.groups[1].device}), consider_leaving_out=False).best
+    assert leave.best.plan == alone.plan and leave.best.time.step_s == alone.time.step_s
+    assert leave.speedup(result.best) == result.best.time.step_s / alone.time.step_s >= 1.05
+    line = leave.line(result.best)
+    assert line.startswith("leave out: the 8 V100-SXM2-32GB devices (ranks 8-15) slow this job down: the other 8 run ")
+    assert f"{leave.speedup(result.best):.2f}x the throughput with them" in line
+    assert result.to_dict()["leave_out"]["ranks"] == list(range(8, 16))
+    assert plan(model, mixed, consider_leaving_out=False).leave_out is None
+    assert plan(load_model("gpt-1.7b"), load_cluster("mixed-a100-v100")).leave_out is None
+
+
+def test_fleet_plan_prints_the_leave_out_line(capsys, tmp_path) -> None:
+    path = tmp_path / "mixed.yaml"
+    path.write_text(_one_a100_one_v100_node().to_yaml())
+    assert main(["plan", "--model", "tinyllama-1.1b", "--cluster", str(path)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "leave out: the 8 V100-SXM2-32GB devices (ranks 8-15) slow this job down" in out
+    assert main(["plan", "--model", "tinyllama-1.1b", "--cluster", str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["leave_out"]["world_size"] == 8

@@ -22,6 +22,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 import torch
@@ -227,26 +228,92 @@ def matmul_rate(tokens: int, width: int, device: torch.device, dtype: torch.dtyp
 
 
 RANK_PROBE_S = 0.5
-"""How long each rank runs GEMMs back to back to measure its sustained speed (:func:`sustained_rate`): many periods of a
-CPU quota (cgroup ``cpu.cfs_period_us`` is 100 ms by default) or of a shared device's time slices."""
+"""How long each rank runs its probe (:func:`sustained_speed`): many periods of a CPU quota (cgroup
+``cpu.cfs_period_us`` is 100 ms by default) or of a shared device's time slices."""
+HOST_PROBE_SHARE = 0.25
+"""The share of the probe's rounds that time the host (one-element operators, which only dispatch) rather than GEMMs."""
 
 
-def sustained_rate(device: torch.device, dtype: torch.dtype = torch.float32, width: int = 256) -> float:
-    """FLOP/s of [width x width] GEMMs run back to back for RANK_PROBE_S: the mean over the whole span, not the median
-    of short samples that :func:`matmul_rate` takes, so a rank slowed by a CPU quota or a shared device shows the speed
-    it trains at."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankSpeed:
+    """What one rank's probe measured: how fast its device computes and how fast its host dispatches."""
+
+    flops_per_s: float
+    """FLOP/s of back-to-back GEMMs."""
+    ops_per_s: float
+    """Operators per second its host dispatches (one-element adds: no compute to speak of)."""
+
+
+def sustained_speed(device: torch.device, dtype: torch.dtype = torch.float32, width: int = 256) -> RankSpeed:
+    """Rounds of eight [width x width] GEMMs and rounds of 64 one-element adds, alternating (one add round in
+    1 / HOST_PROBE_SHARE) for RANK_PROBE_S, each kind's rate its work over the time its rounds took: the mean over the
+    whole span, not the median of short samples that :func:`matmul_rate` takes, so a rank slowed by a CPU quota or a
+    shared device shows the speed it trains at; alternating, both kinds see the same share of its stalls."""
     a = torch.randn(width, width, device=device, dtype=dtype)
     b = torch.randn(width, width, device=device, dtype=dtype)
+    t = torch.zeros(1, device=device)
     sync = _synchronizer(device)
-    calls, start = 0, time.perf_counter()
-    while True:
-        a @ b
-        calls += 1
-        if calls % 8 == 0:
-            sync()
-            if time.perf_counter() - start >= RANK_PROBE_S:
-                break
-    return 2 * width**3 * calls / (time.perf_counter() - start)
+    every = max(2, round(1 / HOST_PROBE_SHARE))
+    gemms = adds = 0
+    gemm_s = add_s = 0.0
+    start = last = time.perf_counter()
+    for round_ in range(1 << 30):
+        if round_ % every:
+            for _ in range(8):
+                a @ b
+            gemms += 8
+        else:
+            for _ in range(64):
+                t.add_(1)
+            adds += 64
+        sync()
+        now = time.perf_counter()
+        if round_ % every:
+            gemm_s += now - last
+        else:
+            add_s += now - last
+        last = now
+        if now - start >= RANK_PROBE_S and gemms and adds:
+            break
+    return RankSpeed(flops_per_s=2 * width**3 * gemms / gemm_s, ops_per_s=adds / add_s)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankMeasures:
+    """Every rank's :class:`RankSpeed` and memory, rank 0 first (the same on every rank)."""
+
+    flops_per_s: tuple[float, ...]
+    """Each rank's GEMM rate."""
+    ops_per_s: tuple[float, ...]
+    """Each rank's host dispatch rate."""
+    memory_gib: tuple[float, ...]
+    """Each rank's device memory, in GiB."""
+
+    def differ(self) -> bool:
+        """Whether the ranks differ enough to be described one by one: speeds by RANK_SPEED_SPREAD or more, or memory
+        by RANK_MEMORY_SPREAD or more."""
+        return any(max(v) >= spread * min(v) for v, spread in (
+            (self.flops_per_s, RANK_SPEED_SPREAD), (self.ops_per_s, RANK_SPEED_SPREAD), (self.memory_gib, RANK_MEMORY_SPREAD)))
+
+    @property
+    def fastest(self) -> int:
+        """The rank with the fastest device (the first of equals)."""
+        return self.flops_per_s.index(max(self.flops_per_s))
+
+
+def measure_ranks(device: torch.device, memory_gib: float) -> RankMeasures:
+    """This rank's :func:`sustained_speed` and ``memory_gib``, gathered from every rank (collective)."""
+    speed = sustained_speed(device)
+    rows = all_ranks_rows((speed.flops_per_s, speed.ops_per_s, memory_gib), device)
+    return RankMeasures(flops_per_s=tuple(r[0] for r in rows), ops_per_s=tuple(r[1] for r in rows),
+                        memory_gib=tuple(r[2] for r in rows))
+
+
+def device_memory_gib(device: torch.device, local_world_size: int) -> float:
+    """Memory one rank has: its GPU's, or on a CPU its share of the host's available RAM."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory / GIB
+    return psutil.virtual_memory().available / GIB / local_world_size
 
 
 def collective_seconds(kind: str, nbytes: int, device: torch.device) -> float:
@@ -292,12 +359,18 @@ def _all_gather(whole: torch.Tensor, shard: torch.Tensor) -> None:
 
 def all_ranks(value: float, device: torch.device) -> list[float]:
     """``value`` of every rank of the live process group, rank 0 first (``[value]`` without one)."""
+    return [row[0] for row in all_ranks_rows((value,), device)]
+
+
+def all_ranks_rows(values: tuple[float, ...], device: torch.device) -> list[tuple[float, ...]]:
+    """``values`` (the same count on every rank) of every rank of the live process group, rank 0 first, in one
+    all-gather (``[values]`` without one)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return [value]
-    t = torch.tensor([value], device=device, dtype=torch.float64)
+        return [tuple(values)]
+    t = torch.tensor(values, device=device, dtype=torch.float64)
     out = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
     dist.all_gather(out, t)
-    return [float(x.item()) for x in out]
+    return [tuple(float(v) for v in x.tolist()) for x in out]
 
 
 def across_ranks(value: float, device: torch.device, op: dist.ReduceOp.RedOpType = dist.ReduceOp.MIN) -> float:
@@ -344,37 +417,49 @@ def matmul_points_by_rank(
 
 
 RANK_SPEED_SPREAD = 1.2
-"""Ranks whose sustained speeds (:func:`sustained_rate`) differ by this factor or more are described one by one
-(``ClusterSpec.rank_devices``), so the planner can give the faster ones more of the batch; closer ones are one device
-(run-to-run noise on a shared VM is ~10 %)."""
+"""Ranks whose sustained speeds (:func:`sustained_speed`, the GEMMs' or the host's) differ by this factor or more are
+described one by one (``ClusterSpec.rank_devices``), so the planner can give the faster ones more of the batch; closer
+ones are one device (run-to-run noise on a shared VM is ~10 %)."""
+RANK_MEMORY_SPREAD = 1.1
+"""Ranks whose memory differs by this factor or more are described one by one (a GPU node of 40 GB cards beside one of
+80 GB; a CPU rank's available RAM moves by a few percent between ranks of one host)."""
 
 
 def _device_spec(
     device: torch.device, shape: WorldShape, dispatch_s: float
-) -> tuple[DeviceSpec, dict[str, MatmulFit], tuple[DeviceSpec, ...]]:
+) -> tuple[DeviceSpec, dict[str, MatmulFit], RankMeasures | None]:
     """The measured device (the slowest rank's), the GEMM fit of each precision (``dispatch_s``: the per-operator host
-    time, taken off each GEMM's time), and each rank's own device where their sustained speeds differ by
-    RANK_SPEED_SPREAD or more (else empty): the fastest rank's own fitted peaks, each rank's scaled by its speed over
-    the fastest's. The cluster keeps one half size, fp32's."""
+    time, taken off each GEMM's time), and what each rank measured where the ranks differ (:meth:`RankMeasures.differ`;
+    else None). The cluster keeps one half size, fp32's."""
     precisions = (("fp32", torch.float32), ("bf16", torch.bfloat16))
     measured = {key: matmul_points_by_rank(device, dtype, dispatch_s) for key, dtype in precisions}
     fits = {key: fit_matmul(key, points) for key, (points, _) in measured.items()}
     peak = {key: fit.peak_flops / 1e12 for key, fit in fits.items()}
+    memory = device_memory_gib(device, shape.local_world_size)
     if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        name, memory, fp16 = props.name, props.total_memory / GIB, peak["bf16"]
+        name, fp16 = torch.cuda.get_device_properties(device).name, peak["bf16"]
     else:
         name = f"cpu-{os.cpu_count()}-cores/{shape.local_world_size}-procs"
-        memory = psutil.virtual_memory().available / GIB / shape.local_world_size
         fp16 = peak["fp32"]  # CPU fp16 matmuls are no faster than fp32
-    spec = DeviceSpec(name=name, memory_gib=round(memory, 2), peak_tflops=PeakTflops(bf16=peak["bf16"], fp16=fp16, fp32=peak["fp32"]))
-    speeds = all_ranks(sustained_rate(device), device)
-    if max(speeds) < RANK_SPEED_SPREAD * min(speeds):
-        return spec, fits, ()
-    fastest = speeds.index(max(speeds))
-    own = {key: fit_matmul(key, measured[key][1][fastest]).peak_flops / 1e12 for key in measured}
+    ranks = measure_ranks(device, memory)
+    spec = DeviceSpec(name=name, memory_gib=round(min(ranks.memory_gib), 2),
+                      peak_tflops=PeakTflops(bf16=peak["bf16"], fp16=fp16, fp32=peak["fp32"]))
+    if not ranks.differ():
+        return spec, fits, None
+    own = {key: fit_matmul(key, measured[key][1][ranks.fastest]).peak_flops / 1e12 for key in measured}
     peak = PeakTflops(bf16=own["bf16"], fp16=own["bf16"] if device.type == "cuda" else own["fp32"], fp32=own["fp32"])
-    return spec, fits, devices_by_speed(dataclasses.replace(spec, peak_tflops=peak), speeds)
+    return dataclasses.replace(spec, peak_tflops=peak), fits, ranks
+
+
+def rank_devices(fastest: DeviceSpec, ranks: RankMeasures) -> tuple[DeviceSpec, ...]:
+    """One device per rank (:func:`~lightning_fleet.planning.cluster.devices_by_speed`): ``fastest`` scaled by each
+    rank's device and host speed where those differ by RANK_SPEED_SPREAD or more (else alike: noise), with its own
+    memory (rounded as the cluster states it)."""
+
+    def spread(values: tuple[float, ...]) -> list[float]:
+        return list(values) if max(values) >= RANK_SPEED_SPREAD * min(values) else [1.0] * len(values)
+
+    return devices_by_speed(fastest, spread(ranks.flops_per_s), spread(ranks.ops_per_s), [round(m, 2) for m in ranks.memory_gib])
 
 
 def _link(device: torch.device, world_size: int) -> LinkSpec:
@@ -614,14 +699,16 @@ def measure(device: torch.device, shape: WorldShape, baseline_rss_bytes: float |
     DeepSpeed) is the runtime reserve: ``baseline_rss_bytes`` when given, else this process' RSS now.
     """
     rss_gib = (psutil.Process().memory_info().rss if baseline_rss_bytes is None else baseline_rss_bytes) / GIB
-    dispatch_s = float(f"{across_ranks(op_overhead_s(device), device):.3g}")
-    spec, fits, rank_devices = _device_spec(device, shape, dispatch_s)
+    dispatch_s = float(f"{across_ranks(op_overhead_s(device), device):.3g}")  # the fastest host's: host_slowdown 1
+    spec, fits, ranks = _device_spec(device, shape, dispatch_s)
     half_dim = fits["fp32"].half_dim
     link = _link(device, shape.world_size)
-    per_element_s = float(f"{across_ranks(elementwise_s(device), device, dist.ReduceOp.MAX):.3g}")
+    # per element and per Adam parameter: the slowest rank's, or where ranks are described one by one the fastest's
+    # (each rank's device then states its slowdown against it)
+    per_element_s = float(f"{_slowest_or(ranks, elementwise_s(device), device, slowest=max):.3g}")
     # the precision the device trains in by default: bf16 on a GPU (its flash kernel takes 16-bit only), fp32 on a CPU
     attention = measure_attention(device, fits["bf16" if device.type == "cuda" else "fp32"], half_dim, dispatch_s)
-    device_adam = across_ranks(adam_params_per_s(device), device)
+    device_adam = _slowest_or(ranks, adam_params_per_s(device), device, slowest=min)
     host_adam = device_adam if device.type == "cpu" else across_ranks(adam_params_per_s(torch.device("cpu")), device)
     cluster = ClusterSpec(
         name=f"measured-{socket.gethostname()}",
@@ -642,9 +729,16 @@ def measure(device: torch.device, shape: WorldShape, baseline_rss_bytes: float |
             memory_reserve_fraction=0.05 if device.type == "cuda" else 0.0,
             memory_reserve_gib=round(1.0 if device.type == "cuda" else rss_gib, 3),
         ),
-        rank_devices=rank_devices,
+        rank_devices=() if ranks is None else rank_devices(spec, ranks),
     )
     return Measurement(cluster=cluster, matmul=tuple(fits.values()), attention=attention)
+
+
+def _slowest_or(ranks: RankMeasures | None, value: float, device: torch.device, *, slowest: Any) -> float:
+    """``value`` of the fastest rank where ``ranks`` describes the ranks one by one, else the slowest rank's
+    (``slowest``: max for a time, min for a rate); collective."""
+    values = all_ranks(value, device)
+    return values[ranks.fastest] if ranks is not None else slowest(values)
 
 
 def cache_path(device: torch.device, shape: WorldShape) -> Path:

@@ -497,6 +497,34 @@ class ClusterSpec:
         """The same nodes and links with ``device`` in every node (the view a plan takes of one replica's devices)."""
         return dataclasses.replace(self, groups=tuple(dataclasses.replace(g, device=device) for g in self.groups), rank_devices=())
 
+    def without_devices(self, devices: set[DeviceSpec]) -> "ClusterSpec":
+        """The cluster without the ranks whose device (:meth:`rank_device`) is one of ``devices``: each node keeps its
+        other ranks, in order; nodes left alike form one group. SpecError when no rank is left."""
+        nodes: list[list[DeviceSpec]] = []
+        rank = 0
+        for group in self.groups:
+            for _ in range(group.nodes):
+                nodes.append([self.rank_device(rank + i) for i in range(group.devices_per_node)])
+                rank += group.devices_per_node
+        kept = [[d for d in node if d not in devices] for node in nodes]
+        kept = [node for node in kept if node]
+        if not kept:
+            raise SpecError(f"cluster {self.name}: leaving out {', '.join(sorted(d.name for d in devices))} leaves no rank")
+        groups: list[DeviceGroup] = []
+        for node in kept:
+            group = DeviceGroup(nodes=1, devices_per_node=len(node), device=slowest_device(node))
+            last = groups[-1] if groups else None
+            if last is not None and (last.devices_per_node, last.device) == (group.devices_per_node, group.device):
+                groups[-1] = dataclasses.replace(last, nodes=last.nodes + 1)
+            else:
+                groups.append(group)
+        ranks = tuple(d for node in kept for d in node)
+        alike_in_nodes = all(len(set(node)) == 1 for node in kept)
+        return dataclasses.replace(
+            self, name=f"{self.name} without {'/'.join(sorted(d.name for d in devices))}", groups=tuple(groups),
+            rank_devices=() if (alike_in_nodes and not self.rank_devices) or len(set(ranks)) == 1 else ranks,
+        )
+
     def link(self, level: LinkLevel) -> LinkSpec:
         """The link spec of one level."""
         return self.intra_node if level is LinkLevel.INTRA else self.inter_node

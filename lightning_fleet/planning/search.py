@@ -132,6 +132,9 @@ class Constraints:
     """On a cluster whose devices differ, let the planner give the replicas different micro-batch sizes, each replica's
     share of the batch by its speed and within its memory (:func:`balance_micro_batches`). Off for a loss that may depend
     on the micro-batch (the decision turns it off unless the module is known not to)."""
+    consider_leaving_out: bool = True
+    """On a cluster whose devices differ, also plan on the cluster without its slowest kind(s) of device, and report it
+    (:attr:`PlanResult.leave_out`) when that runs the same global batch at least LEAVE_OUT_GAIN faster."""
     dp_mbs: tuple[int, ...] | None = None
     """Exact micro-batch size of each data-parallel replica of every plan (dp is its length, mbs its largest): the
     search plans the rest as for every replica running the largest (what the busiest device holds and computes), and
@@ -332,6 +335,10 @@ class PlanResult:
     ``dp_mbs``, or the stages' layers, ``stage_layers``): the best plan as planned on the slowest device (one micro-batch
     size on every replica, layers split by their load)."""
 
+    leave_out: "LeaveOut | None" = None
+    """On a cluster whose devices differ: the best plan on the cluster without its slowest device kind(s), where it is
+    at least LEAVE_OUT_GAIN faster than :attr:`best` (those devices would slow the job down); None otherwise."""
+
     @property
     def best(self) -> Estimate:
         """The chosen plan."""
@@ -353,7 +360,78 @@ class PlanResult:
         if self.even_best is not None:
             out["even_best"] = self.even_best.to_dict()
             out["speedup_over_even"] = self.speedup_over_even
+        if self.leave_out is not None:
+            out["leave_out"] = self.leave_out.to_dict(self.best)
         return out
+
+
+LEAVE_OUT_GAIN = 1.05
+"""Leaving devices out is proposed only when the rest run the global batch at least this much faster (fewer devices are
+otherwise worth keeping: they add memory and fault tolerance)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LeaveOut:
+    """Devices that slow a job down, and the plan without them."""
+
+    devices: tuple[str, ...]
+    """The kinds of device left out (their names), slowest first."""
+    ranks: tuple[int, ...]
+    """The global ranks left out (as a launcher numbers them: the groups in order, node by node)."""
+    cluster: ClusterSpec
+    """The cluster without them."""
+    best: Estimate
+    """The best plan on :attr:`cluster`."""
+
+    def speedup(self, best: Estimate) -> float:
+        """Step time of ``best`` (the plan with every device) over this plan's."""
+        return best.time.step_s / self.best.time.step_s
+
+    def line(self, best: Estimate) -> str:
+        """One line: what to leave out, the plan without it, and how much faster that is."""
+        return (
+            f"leave out: the {len(self.ranks)} {'/'.join(self.devices)} device{'s' if len(self.ranks) > 1 else ''} (rank"
+            f"{'s' if len(self.ranks) > 1 else ''} {_ranks_text(self.ranks)}) slow this job down: the other "
+            f"{self.cluster.world_size} run {self.best.plan} at {self.best.time.step_s:.4g} s a step, "
+            f"{self.speedup(best):.2f}x the throughput with them ({best.time.step_s:.4g} s); launch on those only"
+        )
+
+    def to_dict(self, best: Estimate) -> dict[str, object]:
+        """JSON form: the devices and ranks left out, the world without them, its best plan and the speed-up."""
+        return {"devices": list(self.devices), "ranks": list(self.ranks), "world_size": self.cluster.world_size,
+                "best": self.best.to_dict(), "speedup": self.speedup(best)}
+
+
+def _ranks_text(ranks: tuple[int, ...]) -> str:
+    """``0-7, 12`` for ranks 0..7 and 12."""
+    parts, start = [], ranks[0]
+    for i, rank in enumerate(ranks):
+        following = ranks[i + 1] if i + 1 < len(ranks) else None
+        if following != rank + 1:
+            parts.append(str(start) if start == rank else f"{start}-{rank}")
+            start = following
+    return ", ".join(parts)
+
+
+def _leave_out(model: ModelSpec, cluster: ClusterSpec, cons: Constraints, best: Estimate) -> LeaveOut | None:
+    """The fastest of the plans on ``cluster`` without its k slowest kinds of device (k = 1 .. kinds - 1; a kind's speed
+    its peak in the model's format, then its memory), where it beats ``best`` by LEAVE_OUT_GAIN; else None."""
+    dtype = model.precision.compute_dtype
+    devices = [cluster.rank_device(r) for r in range(cluster.world_size)]
+    kinds = sorted(set(devices), key=lambda d: (getattr(d.peak_tflops, dtype) / d.slowdown, d.memory_gib))
+    quiet = dataclasses.replace(cons, consider_leaving_out=False)
+    found: LeaveOut | None = None
+    for k in range(1, len(kinds)):
+        dropped = set(kinds[:k])
+        rest = cluster.without_devices(dropped)
+        try:
+            e = plan(model, rest, top=1, max_rejected=0, constraints=quiet).best
+        except (PlanError, NoFeasiblePlanError):  # the rest cannot hold the model, or a fixed axis does not fit their count
+            continue
+        if e.time.step_s * LEAVE_OUT_GAIN <= (best if found is None else found.best).time.step_s:
+            found = LeaveOut(devices=tuple(d.name for d in kinds[:k]),
+                             ranks=tuple(r for r, d in enumerate(devices) if d in dropped), cluster=rest, best=e)
+    return found
 
 
 def divisors(n: int) -> list[int]:
@@ -974,6 +1052,7 @@ def plan(
         if uneven and min(e.time.step_s for e in uneven) < ranked[0].time.step_s:
             even_best, ranked = ranked[0], sorted([*uneven, *ranked], key=_rank_key)
     best = ranked[0]
+    leave_out = _leave_out(model, cluster, cons, best) if not cluster.is_homogeneous and cons.consider_leaving_out else None
     slower = [_slower_rejection(e, best) for e in ranked[top : top + max_rejected]]
     closest = sorted(search.misfits, key=lambda m: m.shortfall_bytes)[:max_rejected]
     misfits = ([_misfit_rejection(m) for m in closest] + search.unsplittable)[:max_rejected]  # layouts are furthest
@@ -986,6 +1065,7 @@ def plan(
         all_feasible=tuple(ranked),
         misfit_plans=tuple(m.plan for m in search.misfits),
         even_best=even_best,
+        leave_out=leave_out,
     )
 
 
@@ -1105,14 +1185,18 @@ measured on a shared machine wander by several percent; the split should not fla
 
 
 def rebalance(
-    model: ModelSpec, cluster: ClusterSpec, plan: Plan, speeds: list[float], *, overlaps: Overlaps = Overlaps.DEFAULT
+    model: ModelSpec, cluster: ClusterSpec, plan: Plan, speeds: list[float], *, host_speeds: list[float] | None = None,
+    overlaps: Overlaps = Overlaps.DEFAULT,
 ) -> tuple[Estimate, Estimate] | None:
-    """After the ranks measured ``speeds`` (rank 0 first): the estimate of ``plan`` and of its replicas' micro-batches
-    split by those speeds (:func:`split_by_speed` on ``cluster`` with each rank's device its fastest device scaled by its
-    speed, :func:`~lightning_fleet.planning.cluster.devices_by_speed`), when the new split is another, fits and is
-    predicted at least REBALANCE_GAIN faster; else None."""
-    fastest = max((cluster.rank_device(r) for r in range(cluster.world_size)), key=lambda d: d.peak_tflops.fp32)
-    measured = dataclasses.replace(cluster, rank_devices=devices_by_speed(fastest, speeds))
+    """After the ranks measured ``speeds`` and ``host_speeds`` (rank 0 first; None: hosts alike): the estimate of
+    ``plan`` and of its replicas' micro-batches split by them (:func:`split_by_speed` on ``cluster`` with each rank's
+    device its fastest device scaled by its speeds, :func:`~lightning_fleet.planning.cluster.devices_by_speed`, each
+    keeping its memory), when the new split is another, fits and is predicted at least REBALANCE_GAIN faster; else None."""
+    devices = [cluster.rank_device(r) for r in range(cluster.world_size)]
+    # the fastest device, at the calibration's speed: the fastest rank measured now is taken to run at it
+    fastest = dataclasses.replace(min(devices, key=lambda d: (d.slowdown, -d.peak_tflops.fp32)), slowdown=1.0, host_slowdown=1.0)
+    memory = [d.memory_gib for d in devices]
+    measured = dataclasses.replace(cluster, rank_devices=devices_by_speed(fastest, speeds, host_speeds, memory))
     split = split_by_speed(model, measured, plan, overlaps=overlaps)
     if split is None or split.dp_mbs == plan.dp_mbs:
         return None

@@ -224,7 +224,7 @@ class _LayerCosts:
         hi = len(self.prefix[0]) - 1
         for stage in range(self.pp - 1, 0, -1):
             n = min(hi - self.before[stage], self._most(0, hi, stage, bounds[0]), self._most(1, hi, stage, bounds[1]))
-            if n < self.least[stage]:
+            if n < self.least[stage] or not self._fits(hi - n, hi, stage, bounds):  # its pre/post blocks alone may not
                 return None
             counts[stage], hi = n, hi - n
         if hi < self.least[0] or not self._fits(0, hi, 0, bounds):
