@@ -270,8 +270,10 @@ def test_without_devices_keeps_each_nodes_other_ranks() -> None:
         mixed.without_devices({a100, v100})
     cpu = load_cluster("cpu")
     measured = dataclasses.replace(cpu, rank_devices=devices_by_speed(cpu.groups[0].device, [1.0, 0.1]))
-    alone = measured.without_devices({measured.rank_devices[1]})
+    host_heavy = measured.with_calibration(dataclasses.replace(cpu.calibration, cpu_adam_params_per_s=2e9, adam_params_per_s=1.5e9))
+    alone = host_heavy.without_devices({measured.rank_devices[1]})
     assert alone.world_size == 1 and alone.groups[0].devices_per_node == 1 and alone.rank_device(0) == measured.rank_devices[0]
+    assert alone.calibration.cpu_adam_params_per_s == 1.5e9  # one device on the host now: CPU Adam no faster than it
 
 
 def test_the_planner_leaves_out_devices_that_slow_the_job_down() -> None:

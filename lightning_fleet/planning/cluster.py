@@ -520,9 +520,12 @@ class ClusterSpec:
                 groups.append(group)
         ranks = tuple(d for node in kept for d in node)
         alike_in_nodes = all(len(set(node)) == 1 for node in kept)
+        # a host's CPU Adam is shared by its devices: with fewer of them it is no faster than they are (the pruning's rule)
+        c, fewest = self.calibration, min(g.devices_per_node for g in groups)
         return dataclasses.replace(
             self, name=f"{self.name} without {'/'.join(sorted(d.name for d in devices))}", groups=tuple(groups),
             rank_devices=() if (alike_in_nodes and not self.rank_devices) or len(set(ranks)) == 1 else ranks,
+            calibration=dataclasses.replace(c, cpu_adam_params_per_s=min(c.cpu_adam_params_per_s, fewest * c.adam_params_per_s)),
         )
 
     def link(self, level: LinkLevel) -> LinkSpec:
