@@ -332,8 +332,8 @@ class PlanResult:
     """The variant closest to fitting of every family that did not fit (for plots)."""
     even_best: Estimate | None = None
     """On a cluster whose devices differ, when the best plan splits the work by the devices (the replicas' micro-batches,
-    ``dp_mbs``, or the stages' layers, ``stage_layers``): the best plan as planned on the slowest device (one micro-batch
-    size on every replica, layers split by their load)."""
+    ``dp_mbs``, or the stages' layers, ``stage_layers``; chosen only when predicted REBALANCE_GAIN faster): the best plan
+    as planned on the slowest device (one micro-batch size on every replica, layers split by their load)."""
 
     leave_out: "LeaveOut | None" = None
     """On a cluster whose devices differ: the best plan on the cluster without its slowest device kind(s), where it is
@@ -389,11 +389,13 @@ class LeaveOut:
 
     def line(self, best: Estimate) -> str:
         """One line: what to leave out, the plan without it, and how much faster that is."""
+        many, rest = len(self.ranks) > 1, self.cluster.world_size
         return (
-            f"leave out: the {len(self.ranks)} {'/'.join(self.devices)} device{'s' if len(self.ranks) > 1 else ''} (rank"
-            f"{'s' if len(self.ranks) > 1 else ''} {_ranks_text(self.ranks)}) slow this job down: the other "
-            f"{self.cluster.world_size} run {self.best.plan} at {self.best.time.step_s:.4g} s a step, "
-            f"{self.speedup(best):.2f}x the throughput with them ({best.time.step_s:.4g} s); launch on those only"
+            f"leave out: the {len(self.ranks)} {'/'.join(self.devices)} device{'s' if many else ''} (rank"
+            f"{'s' if many else ''} {_ranks_text(self.ranks)}) slow{'' if many else 's'} this job down: the other "
+            f"{rest} run{'' if rest > 1 else 's'} {self.best.plan} at {self.best.time.step_s:.4g} s a step, "
+            f"{self.speedup(best):.2f}x the throughput with {'them' if many else 'it'} ({best.time.step_s:.4g} s); "
+            f"launch on {'those' if rest > 1 else 'that one'} only"
         )
 
     def to_dict(self, best: Estimate) -> dict[str, object]:
@@ -1049,7 +1051,7 @@ def plan(
             if cons.uneven_stages and cons.stage_layers is None:
                 uneven.append(_restaged(model, cluster, cons, e))
         uneven = [e for e in uneven if e is not None]
-        if uneven and min(e.time.step_s for e in uneven) < ranked[0].time.step_s:
+        if uneven and min(e.time.step_s for e in uneven) * REBALANCE_GAIN <= ranked[0].time.step_s:
             even_best, ranked = ranked[0], sorted([*uneven, *ranked], key=_rank_key)
     best = ranked[0]
     leave_out = _leave_out(model, cluster, cons, best) if not cluster.is_homogeneous and cons.consider_leaving_out else None
@@ -1180,8 +1182,9 @@ def split_by_speed(model: ModelSpec, cluster: ClusterSpec, plan: Plan, *, overla
 
 
 REBALANCE_GAIN = 1.05
-"""A new split of the batch over the replicas is taken only when it is predicted at least this much faster (speeds
-measured on a shared machine wander by several percent; the split should not flap)."""
+"""A split of the work by the devices is chosen over the even one, and a new split of the batch over the replicas is
+taken while training, only when it is predicted at least this much faster (speeds measured on a shared machine wander
+by several percent; the split should not flap, nor be made for noise)."""
 
 
 def rebalance(
