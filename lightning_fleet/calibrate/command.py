@@ -84,11 +84,13 @@ def summary(measured: Measurement, cluster: ClusterSpec, out: str, seconds: floa
 
 
 def _ranks_text(cluster: ClusterSpec) -> str:
-    """'' when the ranks measured alike, else each rank's fp32 peak (they differ by RANK_SPEED_SPREAD or more)."""
+    """'' when the ranks measured alike, else each rank's fp32 peak, host slowdown and memory (they differ by
+    RANK_SPEED_SPREAD or RANK_MEMORY_SPREAD or more)."""
     if not cluster.rank_devices:
         return ""
-    peaks = ", ".join(f"{d.peak_tflops.fp32:.3g}" for d in cluster.rank_devices)
-    return f"; ranks differ, fp32 TFLOP/s by rank: {peaks} (each kept: rank_devices)"
+    ranks = ", ".join(f"{d.peak_tflops.fp32:.3g} TFLOP/s, host x{d.host_slowdown:.2g}, {d.memory_gib:.3g} GiB"
+                      for d in cluster.rank_devices)
+    return f"; ranks differ, by rank (fp32 peak, host time, memory): {ranks} (each kept: rank_devices)"
 
 
 def _link_text(link: LinkSpec) -> str:
