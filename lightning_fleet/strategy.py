@@ -579,7 +579,7 @@ class FleetStrategy(DeepSpeedStrategy):
         if self.plan is None or data is None or trainer is None or trainer.state.stage != RunningStage.TRAINING:
             return dataloader
         plan = self.plan
-        self._fit.shares = ShareSchedule(plan.replica_samples() if plan.dp_mbs is not None else None)
+        self._fit.shares = ShareSchedule(plan.uneven_shares())
         workers = data.options.num_workers
         self._fit.prefetched_steps = 2 + (data.options.prefetch_factor or 2) * workers if workers else 2
         with deterministic_errors():  # e.g. fewer samples than one global batch: every attempt would say so again
@@ -676,8 +676,7 @@ class FleetStrategy(DeepSpeedStrategy):
         now, new = change
         split = new.plan
         start = step + fit.prefetched_steps
-        shares = split.replica_samples() if split.dp_mbs is not None else None
-        fit.shares.set_from(start, shares)
+        fit.shares.set_from(start, split.uneven_shares())
         fit.pending = (start, new)
         sizes = field_text(split.dp_mbs) if split.dp_mbs is not None else f"{split.mbs} on every replica"
         line = (f"lightning_fleet: rank speeds {'/'.join(f'{v / max(speeds):.2f}' for v in speeds)} at step {step}: "

@@ -172,6 +172,10 @@ class Plan:
         contiguous shares of a step's global batch that replica 0, 1, ... read, in that order."""
         return tuple(self.gas * self.replica_mbs(r) for r in range(self.dp))
 
+    def uneven_shares(self) -> tuple[int, ...] | None:
+        """:meth:`replica_samples` where the replicas' micro-batches differ (``dp_mbs``), else None (every replica alike)."""
+        return self.replica_samples() if self.dp_mbs is not None else None
+
     def loss_weight(self, dp_rank: int) -> float:
         """What replica ``dp_rank`` multiplies its micro-batch losses by (:func:`share_weight` of its
         :meth:`replica_samples`); 1 when the replicas' micro-batches are equal."""

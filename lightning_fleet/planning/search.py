@@ -420,7 +420,7 @@ def _leave_out(model: ModelSpec, cluster: ClusterSpec, cons: Constraints, best: 
     its peak in the model's format, then its memory), where it beats ``best`` by LEAVE_OUT_GAIN; else None."""
     dtype = model.precision.compute_dtype
     devices = [cluster.rank_device(r) for r in range(cluster.world_size)]
-    kinds = sorted(set(devices), key=lambda d: (getattr(d.peak_tflops, dtype) / d.slowdown, d.memory_gib))
+    kinds = sorted(set(devices), key=lambda d: (getattr(d.peak_tflops, dtype), d.memory_gib))
     quiet = dataclasses.replace(cons, consider_leaving_out=False)
     found: LeaveOut | None = None
     for k in range(1, len(kinds)):
