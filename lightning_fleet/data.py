@@ -309,7 +309,7 @@ def _check_split(
         raise FleetError(
             f"step_loader(global_batch_size={global_batch_size}, dp_size={dp_size}, dp_rank={dp_rank}, gas={gas}): out of range"
         )
-    shares = schedule.at(0) if isinstance(schedule, ShareSchedule) else schedule
+    shares = ShareSchedule.of(schedule).at(0)
     if shares is not None:
         try:
             check_shares(shares, global_batch_size=global_batch_size, dp_size=dp_size, gas=gas)
@@ -506,7 +506,7 @@ class StreamSteps(IterableDataset):
     ) -> None:
         self.data = data
         self.global_batch_size, self.dp_size, self.dp_rank = global_batch_size, dp_size, dp_rank
-        self.schedule = shares if isinstance(shares, ShareSchedule) else ShareSchedule(shares)
+        self.schedule = ShareSchedule.of(shares)
         self.collate, self.seed, self.first_step = collate, seed, first_step
         self._reader: _StreamReader | None = None
 

@@ -58,6 +58,11 @@ class ShareSchedule:
     def __init__(self, shares: Sequence[int] | None = None) -> None:
         self._changes: list[tuple[int, tuple[int, ...] | None]] = [(0, None if shares is None else tuple(shares))]
 
+    @classmethod
+    def of(cls, shares: "Sequence[int] | ShareSchedule | None") -> "ShareSchedule":
+        """``shares`` itself when it is a schedule, else a schedule of those shares (None: equal) from step 0."""
+        return shares if isinstance(shares, ShareSchedule) else cls(shares)
+
     def at(self, step: int) -> tuple[int, ...] | None:
         """The shares of global step ``step``."""
         for start, shares in reversed(self._changes):
@@ -95,7 +100,7 @@ class GlobalBatchSampler(Sampler[list[Any]]):
         epoch_order: Callable[[int], Sequence[Any]] | None = None,
         shares: Sequence[int] | ShareSchedule | None = None,
     ) -> None:
-        schedule = shares if isinstance(shares, ShareSchedule) else ShareSchedule(shares)
+        schedule = ShareSchedule.of(shares)
         first_shares = schedule.at(0)
         if first_shares is not None:
             check_shares(first_shares, global_batch_size=global_batch_size, dp_size=dp_size, gas=1)

@@ -650,6 +650,16 @@ def replica_devices(cluster: ClusterSpec, plan: Plan) -> tuple[DeviceSpec, ...]:
     return axis_devices(cluster, plan, Axis.DP)
 
 
+def replica_estimate(
+    model: ModelSpec, cluster: ClusterSpec, plan: Plan, device: DeviceSpec, mbs: int, overlaps: Overlaps = Overlaps.DEFAULT
+) -> Estimate:
+    """One replica of ``plan`` running micro-batches of ``mbs`` on ``device``: the same layout with every replica alike,
+    at the batch that makes (gas micro-batches of ``mbs`` on each of dp replicas), on the cluster with ``device`` in
+    every node."""
+    alike = dataclasses.replace(model, global_batch_size=plan.dp * mbs * plan.gas)
+    return estimate_with(alike, Hardware.of(cluster.with_device(device), alike), plan.replace(mbs=mbs, dp_mbs=None), overlaps=overlaps)
+
+
 def _estimate_replicas(model: ModelSpec, cluster: ClusterSpec, plan: Plan, overlaps: Overlaps) -> Estimate:
     """A plan whose replicas differ in micro-batch size on a cluster whose devices differ: each replica priced as the
     same plan with its own micro-batch on a cluster of its own device (at the batch of every replica running that
@@ -658,9 +668,7 @@ def _estimate_replicas(model: ModelSpec, cluster: ClusterSpec, plan: Plan, overl
     per_replica = {}
     for device, mbs in zip(replica_devices(cluster, plan), (plan.replica_mbs(r) for r in range(plan.dp))):
         if (device, mbs) not in per_replica:
-            alike = dataclasses.replace(model, global_batch_size=plan.dp * mbs * plan.gas)
-            even = plan.replace(mbs=mbs, dp_mbs=None)
-            per_replica[(device, mbs)] = estimate_with(alike, Hardware.of(cluster.with_device(device), alike), even, overlaps=overlaps)
+            per_replica[(device, mbs)] = replica_estimate(model, cluster, plan, device, mbs, overlaps)
     slowest = max(per_replica.values(), key=lambda e: e.time.step_s)
     tightest = max(per_replica.values(), key=lambda e: e.memory.shortfall_bytes())
     return Estimate(model=model, plan=plan, memory=tightest.memory, time=slowest.time, world_size=cluster.world_size)

@@ -58,11 +58,10 @@ from lightning_fleet.planning.estimate import (
     StateBytes,
     TimeModel,
     check_recompute,
-    estimate_with,
     stage_state_bytes,
 )
 from lightning_fleet.planning.estimate import estimate as estimate_plan
-from lightning_fleet.planning.estimate import replica_devices, stage_devices
+from lightning_fleet.planning.estimate import replica_devices, replica_estimate, stage_devices
 from lightning_fleet.planning.memory import MemoryEstimate
 from lightning_fleet.planning.model import ModelSpec
 from lightning_fleet.planning.overlap import Overlaps
@@ -1169,9 +1168,7 @@ def split_by_speed(model: ModelSpec, cluster: ClusterSpec, plan: Plan, *, overla
     def step_s(replica: int, mbs: int) -> float | None:
         key = (devices[replica], mbs)
         if key not in cache:
-            alike = dataclasses.replace(model, global_batch_size=plan.dp * mbs * plan.gas)
-            e = estimate_with(alike, Hardware.of(cluster.with_device(devices[replica]), alike),
-                              plan.replace(mbs=mbs, dp_mbs=None), overlaps=overlaps)
+            e = replica_estimate(model, cluster, plan, devices[replica], mbs, overlaps)
             cache[key] = e.time.step_s if e.fits else None
         return cache[key]
 
