@@ -282,7 +282,7 @@ def module_pins(module: ModuleFacts, partial: PartialPlan, *, pin_with: str = "m
     as the micro-batch when the loss depends on it (unless ``partial`` fixes one), gas=1 under manual optimization.
     ``pin_with`` is how the user pins a micro-batch where the report is read (``fleet plan``: ``--fix mbs=N``)."""
     notes = []
-    if module.batch_dependent and partial.dp_mbs is not None and len(set(partial.dp_mbs)) > 1:
+    if module.batch_dependent and partial.dp_mbs is not None:
         raise FleetError(
             f"plan {partial}: the loss depends on the micro-batch (BatchNorm, in-batch negatives or a summed loss), so "
             f"replicas with micro-batches {field_text(partial.dp_mbs)} would not train the single-process model: leave dp_mbs out"

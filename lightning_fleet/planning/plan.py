@@ -490,7 +490,8 @@ class PartialPlan:
     """Transformer layers per pipeline stage, first to last (None: the default split); fixes pp to its length."""
     dp_mbs: tuple[int, ...] | None = None
     """Micro-batch size of each data-parallel replica; fixes dp to its length and mbs to the largest. Uneven sizes are
-    given with a whole plan (:attr:`complete`): the planner prices and runs them, it does not search around them."""
+    given with a whole plan (:attr:`complete`): the planner prices and runs them, it does not search around them;
+    equal sizes are kept as dp and mbs (None here), as :class:`Plan` keeps them."""
 
     def __post_init__(self) -> None:
         for name in _INT_KEYS:
@@ -515,7 +516,7 @@ class PartialPlan:
                 object.__setattr__(self, "pp", len(split))
         if self.dp_mbs is not None:
             sizes = _check_dp_mbs(self.dp_mbs, dp=self.dp, mbs=self.mbs)
-            object.__setattr__(self, "dp_mbs", sizes)
+            object.__setattr__(self, "dp_mbs", None if len(set(sizes)) == 1 else sizes)  # as Plan keeps them
             if self.dp is None:
                 object.__setattr__(self, "dp", len(sizes))
             if self.mbs is None:

@@ -244,7 +244,7 @@ def narrow(base: Constraints, partial: PartialPlan) -> Constraints:
         if not base.uneven_stages and len(set(partial.stage_layers)) > 1:
             raise refuse("stage_layers", partial.stage_layers, "an even split only, as this runtime runs no uneven stages")
         changes["stage_layers"] = partial.stage_layers
-    if partial.dp_mbs is not None and len(set(partial.dp_mbs)) > 1:
+    if partial.dp_mbs is not None:
         if not base.uneven_dp:
             raise refuse("dp_mbs", partial.dp_mbs, "one micro-batch size on every replica, as this runtime runs no other")
         if not base.uneven_dp_with_pp:

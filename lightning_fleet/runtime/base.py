@@ -176,7 +176,7 @@ class Capabilities:
             return f"plan {plan}: {self.label} runs {self._missing_schedules()}"
         if plan.stage_layers is not None and len(set(plan.stage_layers)) > 1 and not self.uneven_stages:
             return f"plan {plan}: {self.label} splits the layers of a pipeline evenly only; leave stage_layers out"
-        if plan.dp_mbs is not None and len(set(plan.dp_mbs)) > 1:
+        if plan.dp_mbs is not None:
             if not self.uneven_dp:
                 return f"plan {plan}: {self.label} runs one micro-batch size on every replica; leave dp_mbs out"
             if pp > 1 and not self.uneven_dp_with_pp:
