@@ -1,6 +1,9 @@
 """The ``fleet`` command: ``fleet plan``, ``fleet estimate``, ``fleet calibrate`` and ``fleet launch`` (also ``python -m lightning_fleet``).
 
-Every failure the user can cause ends in one line on stderr, ``fleet: error: ...``, and exit code 2.
+Every failure the user can cause ends in one line on stderr, ``fleet: error: ...``, and exit code 2: the line is at most
+ERROR_CHARS characters (:func:`error_line`), every count is read in ASCII digits, and the sizes the planner loops over
+are bounded (cluster.MAX_WORLD_SIZE, model.MAX_LAYERS, model.MAX_GLOBAL_BATCH_SIZE), so bad input is never a traceback,
+a hang or a line of megabytes (issue 11's fuzz test, tests/test_cli_fuzz.py).
 
 Imports the planning core, the runtimes' capabilities (pure) and, per command, what that command needs (export,
 calibrate, launch, plotting; ``plan``/``estimate --module``: :mod:`lightning_fleet.offline`, which loads torch, so
@@ -12,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 from typing import TYPE_CHECKING, Sequence
@@ -39,6 +43,7 @@ from lightning_fleet.planning import (
 from lightning_fleet.planning.cluster import GIB
 from lightning_fleet.planning.overlap import OVERLAP_NAMES, Overlaps
 from lightning_fleet.planning.search import explain_misfit, explain_tight, uneven_split_line
+from lightning_fleet.planning.yamlspec import ascii_int, shown
 from lightning_fleet.runtime import RUNTIMES, capabilities_of
 from lightning_fleet.runtime.base import Capabilities, ModuleHooks
 
@@ -48,6 +53,10 @@ if TYPE_CHECKING:
 EXIT_USAGE = 2
 EXIT_PIPE = 128 + 13
 """The status a shell reports for coreutils killed by SIGPIPE (13) when the reader of their output exits (``| head``)."""
+ERROR_CHARS = 1000
+"""Longest error line (``fleet: error: ...``): a longer message keeps its start and its end (what to do)."""
+MAX_TIMEOUT_S = 7 * 24 * 3600
+"""Longest ``fleet calibrate --timeout`` (a week; the measurement takes minutes)."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -57,16 +66,35 @@ class _Parser(argparse.ArgumentParser):
         raise FleetError(message)
 
 
+def _integer(text: str) -> int:
+    """argparse type: an integer in ASCII digits (``int()`` also takes '١٢', '１２' and ' 1_0 '), at most 18 of them."""
+    try:
+        return ascii_int(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {shown(text)} ({err})") from None
+
+
+def _seconds(text: str) -> float:
+    """argparse type: a finite number of seconds > 0 and at most MAX_TIMEOUT_S, in ASCII (``float()`` takes 'nan')."""
+    try:
+        value = float(text) if text.isascii() else math.nan
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= MAX_TIMEOUT_S:
+        raise argparse.ArgumentTypeError(f"expected seconds > 0 and <= {MAX_TIMEOUT_S}, got {shown(text)}")
+    return value
+
+
 def _add_specs(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help=f"model YAML path or preset ({', '.join(model_presets())})")
     parser.add_argument("--cluster", required=True, help=f"cluster YAML path or preset ({', '.join(cluster_presets())})")
     parser.add_argument(
         "--global-batch-size",
-        type=int,
+        type=_integer,
         help="samples per optimizer step (default: the model file's; with --module the config's FleetStrategy "
         "global_batch_size, else the example batch's size x the world size, as strategy='fleet' defaults)",
     )
-    parser.add_argument("--nodes", type=int, help="override the node count of a homogeneous cluster")
+    parser.add_argument("--nodes", type=_integer, help="override the node count of a homogeneous cluster")
     parser.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
     parser.add_argument(
         "--runtime",
@@ -125,10 +153,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     cal = sub.add_parser("calibrate", help="measure this machine (microbenchmarks) and write a cluster YAML with fitted constants")
     cal.add_argument("--out", required=True, help="cluster YAML to write")
-    cal.add_argument("--nproc-per-node", type=int, default=1, help="processes (devices) to measure together on this machine (default 1)")
+    cal.add_argument("--nproc-per-node", type=_integer, default=1,
+                     help="processes (devices) to measure together on this machine (default 1)")
     cal.add_argument("--device", choices=("cpu", "cuda"), help="device kind (default: cuda when available)")
     cal.add_argument("--no-framework", action="store_true", help="skip the Lightning + DeepSpeed framework probe")
-    cal.add_argument("--timeout", type=float, default=900, help="seconds before the measurement is abandoned (default 900)")
+    cal.add_argument("--timeout", type=_seconds, default=900, help="seconds before the measurement is abandoned (default 900)")
 
     exp = sub.add_parser("export", help="write a checkpoint of any plan as one plain Lightning checkpoint (full fp32 weights)")
     exp.add_argument(
@@ -144,12 +173,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     pln = sub.add_parser("plan", help="rank every plan and explain the choice")
     _add_specs(pln)
-    pln.add_argument("--top", type=int, default=5, help="how many plans to show (default 5)")
+    pln.add_argument("--top", type=_integer, default=5, help="how many plans to show (default 5)")
     pln.add_argument("--plot", metavar="FILE.png", help="scatter of step time vs peak memory of every candidate")
     pln.add_argument("--zero-stages", default="0,1,2,3", help="ZeRO stages to consider, comma-separated")
-    pln.add_argument("--max-tp", type=int, help="largest tensor-parallel degree")
-    pln.add_argument("--max-pp", type=int, help="largest pipeline-parallel degree")
-    pln.add_argument("--max-vpp", type=int, help="largest number of virtual pipeline stages (1: no interleaving)")
+    pln.add_argument("--max-tp", type=_integer, help="largest tensor-parallel degree")
+    pln.add_argument("--max-pp", type=_integer, help="largest pipeline-parallel degree")
+    pln.add_argument("--max-vpp", type=_integer, help="largest number of virtual pipeline stages (1: no interleaving)")
     pln.add_argument("--no-offload", action="store_true", help="never offload to host memory")
     pln.add_argument("--no-sp", action="store_true", help="never use sequence parallelism")
     pln.add_argument("--fix", default="", metavar="KEYS", help='axes to fix, e.g. "zero=1,mbs=4"; the planner chooses the rest')
@@ -199,9 +228,9 @@ def _load_module(args: argparse.Namespace, cluster: ClusterSpec) -> _Job:
 
 def _constraints(args: argparse.Namespace, runtime: Capabilities, hooks: ModuleHooks, fixed: PartialPlan) -> Constraints:
     try:
-        zero = tuple(int(z) for z in args.zero_stages.split(",") if z.strip())
+        zero = tuple(ascii_int(z.strip()) for z in args.zero_stages.split(",") if z.strip())
     except ValueError:
-        raise FleetError(f"--zero-stages must be comma-separated integers, got {args.zero_stages!r}") from None
+        raise FleetError(f"--zero-stages must be comma-separated integers, got {shown(args.zero_stages)}") from None
     for flag in ("max_tp", "max_pp", "max_vpp"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise FleetError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
@@ -316,8 +345,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     """Run lightning_fleet.calibrate.command in its own process(es): alone, or under torchrun on 127.0.0.1 for several."""
     import subprocess
 
-    if args.nproc_per_node < 1:
-        raise FleetError(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}")
+    _check_calibration(args)
     module = ["-m", "lightning_fleet.calibrate.command", "--out", args.out] + (["--device", args.device] if args.device else [])
     module += ["--no-framework"] if args.no_framework else []
     launcher, env = [sys.executable], dict(os.environ)
@@ -332,6 +360,44 @@ def _calibrate(args: argparse.Namespace) -> int:
     if done.returncode != 0:
         raise FleetError(f"calibration failed (exit {done.returncode}); the measurement's last messages are above")
     return 0
+
+
+def _check_calibration(args: argparse.Namespace) -> None:
+    """What fleet calibrate would only find out in its measuring processes, after minutes: the process count, the device
+    kind and where the file goes."""
+    from lightning_fleet.elastic.launch import MAX_NPROC_PER_NODE
+
+    if args.nproc_per_node < 1:
+        raise FleetError(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}")
+    if args.nproc_per_node > MAX_NPROC_PER_NODE:
+        raise FleetError(
+            f"--nproc-per-node must be <= {MAX_NPROC_PER_NODE} (processes on this machine), got {args.nproc_per_node}"
+        )
+    _check_output_path(args.out, "--out", parents_made=True)
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise FleetError("--device cuda: torch sees no CUDA device on this machine; use --device cpu")
+        if args.nproc_per_node > torch.cuda.device_count():
+            raise FleetError(
+                f"--nproc-per-node {args.nproc_per_node} is more than the {torch.cuda.device_count()} CUDA devices here"
+            )
+
+
+def _check_output_path(path: str, flag: str, *, parents_made: bool = False) -> None:
+    """FleetError unless ``path`` can be a file written later: not a directory, in a directory that exists (or, where
+    the writer makes missing directories, ``parents_made``, below one) and that this user may write to."""
+    target = os.path.abspath(path)
+    if os.path.isdir(target):
+        raise FleetError(f"{flag} {shown(path, 200)} is a directory: give a file name")
+    parent = os.path.dirname(target)
+    while parents_made and not os.path.lexists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise FleetError(f"{flag} {shown(path, 200)}: {shown(parent, 200)} is not a directory that exists")
+    if not os.access(parent, os.W_OK):
+        raise FleetError(f"{flag} {shown(path, 200)}: directory {shown(parent, 200)} is not writable by this user")
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -361,6 +427,8 @@ def _run(argv: Sequence[str] | None) -> int:
     if args.command == "export":
         return _export(args)
     fixed = parse_partial_plan(args.fix) if args.command == "plan" else PartialPlan()  # a bad --fix fails before any build
+    if getattr(args, "plot", None):
+        _check_output_path(args.plot, "--plot")
     job = _load(args)
     model, cluster = job.model, job.cluster
     runtime = capabilities_of(args.runtime)
@@ -419,11 +487,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.flush()  # a reader that went away (``| head``) shows here, not at interpreter exit
         return code
     except FleetError as err:
-        print(f"fleet: error: {err}", file=sys.stderr)
+        print(error_line(str(err)), file=sys.stderr)
         return EXIT_USAGE
     except BrokenPipeError:
         _discard_stdout()
         return EXIT_PIPE
+
+
+def error_line(message: str) -> str:
+    """``fleet: error: message`` as one printable line of at most ERROR_CHARS characters: line breaks become spaces,
+    other control characters escapes, and a longer line keeps its start and its last 300 characters."""
+    text = " ".join(message.splitlines())
+    if len(text) > 4 * ERROR_CHARS:
+        text = f"{text[: 2 * ERROR_CHARS]} ... {text[-ERROR_CHARS:]}"
+    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    line = f"fleet: error: {text}"
+    return line if len(line) <= ERROR_CHARS else f"{line[: ERROR_CHARS - 305]} ... {line[-300:]}"
 
 
 def _discard_stdout() -> None:

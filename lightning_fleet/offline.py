@@ -50,7 +50,7 @@ from lightning_fleet.decide import ModuleFacts, module_pins
 from lightning_fleet.hooks import module_hooks
 from lightning_fleet.planning import FleetError, ModelSpec, PartialPlan, Precision
 from lightning_fleet.planning.model import LIGHTNING_PRECISIONS
-from lightning_fleet.planning.yamlspec import read_yaml
+from lightning_fleet.planning.yamlspec import load_yaml, read_yaml, shown
 from lightning_fleet.profiling import Profile, batch_size_of, profile
 from lightning_fleet.runtime.base import ModuleHooks
 
@@ -78,7 +78,7 @@ class TensorShape:
 BATCH_EXAMPLES = '"long[8,512]", "(long[8,512], long[8,512])" or "{input_ids: long[8,512], labels: long[8,512]}"'
 """What a ``--batch`` error suggests (``fleet plan --help`` states the whole grammar)."""
 
-_TOKEN = re.compile(r"\s*(?:(?P<name>[A-Za-z_][A-Za-z0-9_]*)|(?P<int>-?\d+)|(?P<punct>[()\[\]{},:])|(?P<bad>\S))")
+_TOKEN = re.compile(r"\s*(?:(?P<name>[A-Za-z_][A-Za-z0-9_]*)|(?P<int>-?[0-9]{1,18})|(?P<punct>[()\[\]{},:])|(?P<bad>\S))")
 _CLOSE = {"(": ")", "[": "]", "{": "}"}
 
 
@@ -164,7 +164,10 @@ def parse_batch(text: str) -> Any:
     """The structure a ``--batch`` string describes: :class:`TensorShape` leaves in tuples, lists and dicts
     (FleetError, one line with the position and the grammar, for anything else)."""
     parser = _BatchParser(text)
-    tree = parser.batch()
+    try:
+        tree = parser.batch()
+    except RecursionError:
+        raise FleetError(f"--batch {shown(text)} is nested too deeply; write e.g. {BATCH_EXAMPLES}") from None
     if parser.i != len(parser.tokens):
         raise parser.fail("the end of the batch")
     return tree
@@ -241,7 +244,7 @@ def read_config(path: str) -> LightningConfig:
     fleet_args = (strategy.get("init_args") or {}) if isinstance(strategy, dict) else {}
     gbs = fleet_args.get("global_batch_size") if isinstance(fleet_args, dict) else None
     if gbs is not None and (not isinstance(gbs, int) or isinstance(gbs, bool)):
-        raise FleetError(f"{path}: trainer.strategy.init_args.global_batch_size must be an integer, got {gbs!r}")
+        raise FleetError(f"{path}: trainer.strategy.init_args.global_batch_size must be an integer, got {shown(gbs)}")
     precision = trainer.get("precision")
     return LightningConfig(
         model_class=model_class,
@@ -276,7 +279,7 @@ def parse_mapping(text: str | None, flag: str) -> dict[str, Any]:
     if text is None:
         return {}
     try:
-        value = yaml.safe_load(text)
+        value = load_yaml(text)  # safe_load, refusing duplicate keys and alias bombs
     except yaml.YAMLError as err:
         problem = getattr(err, "problem", None) or str(err).splitlines()[0]
         raise FleetError(

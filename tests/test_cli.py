@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -215,3 +216,87 @@ def test_head_reads_the_start_of_the_json(tmp_path):
                           env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
     assert done.stdout == '{"plans": '
     assert err.read_text() == "" and done.returncode in (0, 141)
+
+
+ANCHORED_CLUSTER = """\
+name: anchored
+groups:
+  - nodes: 1
+    devices_per_node: 2
+    device: &a100
+      name: A100-SXM4-80GB
+      memory_gib: 80
+      peak_tflops: {bf16: 312, fp16: 312, fp32: 19.5}
+  - nodes: 1
+    devices_per_node: 2
+    device:
+      <<: *a100
+      name: A100-SXM4-40GB
+      memory_gib: 40
+intra_node: &link {bandwidth_GBps: 150, latency_us: 5}
+inter_node: *link
+"""
+
+
+@pytest.mark.pure
+def test_anchors_aliases_and_merge_keys_still_plan(capsys, tmp_path):
+    """The strict loader refuses a key given twice, not YAML's own reuse: an anchored device, an aliased link and a merge
+    key whose mapping overrides two of the merged keys plan as before."""
+    path = tmp_path / "anchored.yaml"
+    path.write_text(ANCHORED_CLUSTER)
+    code, out, err = run_cli(capsys, "plan", "--model", "gpt-tiny", "--cluster", str(path), "--top", "1", "--json")
+    assert code == 0, err
+    best = json.loads(out)["plans"][0]["plan"]
+    assert best["dp"] * best["tp"] * best["pp"] == 4  # both groups, the second's device from the merge
+
+
+@pytest.mark.pure
+def test_error_line_is_one_printable_bounded_line():
+    """The last guard of every error: line breaks and control characters cannot split or colour the line, and a long
+    message keeps its start and its end (what to do)."""
+    from lightning_fleet.cli import ERROR_CHARS, error_line
+
+    line = error_line("first\nsecond\r\u2028third \x1b[31m" + "x" * 10**6 + " do this")
+    assert len(line.splitlines()) == 1 and len(line) <= ERROR_CHARS and line.isprintable()
+    assert line.startswith("fleet: error: first second") and "\\x1b[31m" in line and line.endswith(" do this")
+    assert error_line("short") == "fleet: error: short"
+
+
+@pytest.mark.pure
+def test_the_largest_accepted_sizes_plan_in_bounded_time(capsys, tmp_path):
+    """The bounds that keep the planner's loops finite are not a hang at the edge: 2**20 devices, 16,384 layers and a
+    global batch of 2**32 plan in seconds (2.5 s measured here); one more of each is refused, the line naming the bound."""
+    from lightning_fleet.planning.cluster import MAX_WORLD_SIZE
+    from lightning_fleet.planning.model import MAX_GLOBAL_BATCH_SIZE, MAX_LAYERS
+
+    model = tmp_path / "edge.yaml"
+    model.write_text(
+        f"name: edge\nnum_layers: {MAX_LAYERS}\nhidden_size: 128\nnum_heads: 4\nseq_length: 128\nvocab_size: 256\n"
+        f"precision: fp32\nglobal_batch_size: {MAX_GLOBAL_BATCH_SIZE}\n"
+    )
+    nodes = str(MAX_WORLD_SIZE // 8)
+    started = time.monotonic()
+    argv = ("plan", "--model", str(model), "--cluster", "dgx-a100-80gb", "--nodes", nodes, "--top", "1", "--json")
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 0, err
+    assert time.monotonic() - started < 15
+    assert json.loads(out)["plans"][0]["plan"]["dp"] >= 1
+    for argv, bound in (
+        (["--nodes", str(MAX_WORLD_SIZE // 8 + 1)], "at most 1,048,576"),
+        (["--global-batch-size", str(MAX_GLOBAL_BATCH_SIZE + 1)], "(4,294,967,296 samples)"),
+    ):
+        code, out, err = run_cli(capsys, "plan", "--model", str(model), "--cluster", "dgx-a100-80gb", *argv)
+        assert code == 2 and err.count("\n") == 1 and bound in err, err
+    model.write_text(model.read_text().replace(f"num_layers: {MAX_LAYERS}", f"num_layers: {MAX_LAYERS + 1}"))
+    code, _, err = run_cli(capsys, "plan", "--model", str(model), "--cluster", "cpu")
+    assert code == 2 and "num_layers must be at most 16,384" in err
+
+
+@pytest.mark.pure
+def test_a_mixed_cluster_file_beyond_the_bound_is_refused(capsys, tmp_path):
+    """A cluster file of different devices is priced rank by rank: more than 8,192 devices is one line naming the bound."""
+    path = tmp_path / "mixed.yaml"
+    path.write_text(ANCHORED_CLUSTER.replace("nodes: 1\n    devices_per_node: 2", "nodes: 2049\n    devices_per_node: 2"))
+    code, _, err = run_cli(capsys, "plan", "--model", "gpt-tiny", "--cluster", str(path))
+    assert code == 2 and err.count("\n") == 1
+    assert "has 8,196 devices; a cluster of different devices may have at most 8,192" in err

@@ -39,10 +39,18 @@ from lightning_fleet.planning.yamlspec import (
     read_yaml,
     require_non_negative,
     require_positive,
+    shown,
     to_mapping,
 )
 
 GIB = 1024**3
+MAX_WORLD_SIZE = 2**20
+"""Most devices a cluster may have (1,048,576; the largest training runs published use tens of thousands): the planner
+loops over the divisors of the device count, and planning 2**20 devices alike takes under a second here."""
+MAX_MIXED_WORLD_SIZE = 2**13
+"""Most devices a cluster file of different devices may describe (8,192): the planner prices each rank of such a
+cluster, 3-9 s at this size here (2 CPU cores) and about ten times that at 2**16. A cluster the strategy measured rank
+by rank is not held to it."""
 ATTENTION_EFFICIENCY_MAX = 10.0
 """Largest ``calibration.attention_efficiency`` a cluster file may state (and `fleet calibrate` fits): a fused attention
 kernel ten times faster than the GEMMs of its layer is a measurement or unit error, not a kernel."""
@@ -446,6 +454,7 @@ class ClusterSpec:
             raise SpecError(
                 f"cluster rank_devices lists {len(self.rank_devices)} devices for {self.world_size} ranks: give one per rank"
             )
+        self._check_world_size()
         c = self.calibration
         if c.cpu_adam_params_per_s > self.devices_per_node * c.adam_params_per_s:
             # the planner prunes on "offload never makes a step faster"; a host that out-steps its devices breaks that
@@ -453,6 +462,16 @@ class ClusterSpec:
                 f"calibration.cpu_adam_params_per_s ({c.cpu_adam_params_per_s:g}) is more than devices_per_node "
                 f"({self.devices_per_node}) x adam_params_per_s ({c.adam_params_per_s:g}): offloading would make the "
                 "optimizer step faster than on the devices; raise adam_params_per_s or lower cpu_adam_params_per_s"
+            )
+
+    def _check_world_size(self, mixed_bound: int = MAX_WORLD_SIZE) -> None:
+        """SpecError when the cluster has more devices than the planner prices in bounded time (``mixed_bound``: the
+        bound when its devices differ)."""
+        bound, kind = (MAX_WORLD_SIZE, "") if self.is_homogeneous else (mixed_bound, " of different devices")
+        if self.world_size > bound:
+            raise SpecError(
+                f"cluster {shown(self.name)} has {self.world_size:,} devices; a cluster{kind} may have at most {bound:,} "
+                "(the planner's bound): give fewer nodes"
             )
 
     @property
@@ -579,7 +598,9 @@ def cluster_from_dict(data: Mapping[str, Any], where: str = "cluster") -> Cluste
         groups = (from_mapping(DeviceGroup, {k: data[k] for k in _HOMOGENEOUS_KEYS}, where),)
         rest = {k: v for k, v in data.items() if k not in _HOMOGENEOUS_KEYS}
     spec = from_mapping(_ClusterRest, rest, where)
-    return ClusterSpec(groups=groups, **{f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)})
+    cluster = ClusterSpec(groups=groups, **{f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)})
+    cluster._check_world_size(MAX_MIXED_WORLD_SIZE)
+    return cluster
 
 
 def _group(data: Any, where: str) -> DeviceGroup:
@@ -626,4 +647,6 @@ def _resolve(source: str | Path, kind: str, names: Any) -> Any:
     if preset.is_file():
         return preset
     singular = kind.removesuffix("s")
-    raise SpecError(f"no {singular} file or preset named {text!r}; presets: {', '.join(names())}")
+    if Path(text).exists():  # a directory, a FIFO, a device: never opened (a FIFO would block, /dev/zero fill memory)
+        raise SpecError(f"{shown(text, 200)} is not a regular file and no {singular} preset has that name: give a YAML file")
+    raise SpecError(f"no {singular} file or preset named {shown(text, 200)}; presets: {', '.join(names())}")

@@ -26,10 +26,19 @@ from lightning_fleet.planning.yamlspec import (
     dump_yaml,
     from_mapping,
     read_yaml,
+    require_at_most,
     require_non_negative,
     require_positive,
+    shown,
     to_mapping,
 )
+
+MAX_LAYERS = 2**14
+"""Most transformer layers a model may have (16,384; published models have up to a few hundred): stage splits walk
+them one by one."""
+MAX_GLOBAL_BATCH_SIZE = 2**32
+"""Largest global batch size, in samples, the planner searches (:func:`lightning_fleet.planning.search.plan`): it walks
+the divisors of the batch per data-parallel degree. Estimates of one plan take any size."""
 
 
 class Precision(StrEnum):
@@ -78,7 +87,7 @@ def _grad_accum_dtype(value: Any, precision: Precision, where: str) -> GradAccum
     try:
         dtype = GradAccumDtype(value)
     except ValueError:
-        raise SpecError(f"{where}grad_accum_dtype must be one of {', '.join(GradAccumDtype)}, got {value!r}") from None
+        raise SpecError(f"{where}grad_accum_dtype must be one of {', '.join(GradAccumDtype)}, got {shown(value)}") from None
     if dtype is GradAccumDtype.FP32_AND_WORKING and precision is Precision.FP32:
         raise SpecError(
             f"{where}grad_accum_dtype 'fp32+working' needs bf16-mixed or fp16-mixed precision; "
@@ -310,6 +319,7 @@ class ModelSpec:
         object.__setattr__(self, "grad_accum_dtype", _grad_accum_dtype(self.grad_accum_dtype, self.precision, "model."))
         if self.num_layers == 0:
             raise SpecError(f"model {self.name!r} has no block with role 'layer'; pipeline stages need layers")
+        require_at_most("model.", MAX_LAYERS, "the planner's bound", num_layers=self.num_layers)
         roles = [b.role for b in self.blocks]
         order = sorted(roles, key=[Role.PRE, Role.LAYER, Role.POST].index)
         if roles != order:
@@ -435,7 +445,7 @@ def _kind(enum: type[StrEnum], value: Any, where: str) -> Any:
     try:
         return enum(value)
     except ValueError:
-        raise SpecError(f"{where} must be one of {', '.join(enum)}, got {value!r}") from None
+        raise SpecError(f"{where} must be one of {', '.join(enum)}, got {shown(value)}") from None
 
 
 _ARCHITECTURE_KEYS = ("num_kv_heads", "tie_embeddings", "bias", "dropout", "causal", "fused_qkv", *_KINDS)
@@ -511,7 +521,7 @@ class TransformerSpec:
         try:
             object.__setattr__(self, "precision", Precision(self.precision))
         except ValueError:
-            raise SpecError(f"model.precision must be one of {', '.join(Precision)}, got {self.precision!r}") from None
+            raise SpecError(f"model.precision must be one of {', '.join(Precision)}, got {shown(self.precision)}") from None
         object.__setattr__(self, "grad_accum_dtype", _grad_accum_dtype(self.grad_accum_dtype, self.precision, "model."))
         if self.hidden_size % self.num_heads:
             raise SpecError(f"model.hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads})")
@@ -938,7 +948,7 @@ def model_presets() -> list[str]:
 def transformer_from_dict(data: Mapping[str, Any], where: str = "model") -> TransformerSpec:
     """Build a TransformerSpec from the YAML mapping; errors name the key."""
     if "precision" in data and data["precision"] not in list(Precision):
-        raise SpecError(f"{where}.precision must be one of {', '.join(Precision)}, got {data['precision']!r}")
+        raise SpecError(f"{where}.precision must be one of {', '.join(Precision)}, got {shown(data['precision'])}")
     for key, enum in _KINDS.items():
         if key in data:
             _kind(enum, data[key], f"{where}.{key}")
@@ -955,9 +965,9 @@ def model_from_dict(data: Mapping[str, Any], where: str = "model") -> ModelSpec:
         raise SpecError(f"{where}.blocks must be a non-empty list of blocks")
     for i, block in enumerate(data["blocks"]):
         if isinstance(block, Mapping) and "role" in block and block["role"] not in list(Role):
-            raise SpecError(f"{where}.blocks[{i}].role must be one of {', '.join(Role)}, got {block['role']!r}")
+            raise SpecError(f"{where}.blocks[{i}].role must be one of {', '.join(Role)}, got {shown(block['role'])}")
     if "precision" in data and data["precision"] not in list(Precision):
-        raise SpecError(f"{where}.precision must be one of {', '.join(Precision)}, got {data['precision']!r}")
+        raise SpecError(f"{where}.precision must be one of {', '.join(Precision)}, got {shown(data['precision'])}")
     return from_mapping(ModelSpec, data, where)
 
 

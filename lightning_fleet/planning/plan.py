@@ -33,6 +33,7 @@ from enum import StrEnum
 from typing import Mapping
 
 from lightning_fleet.planning.errors import PlanError
+from lightning_fleet.planning.yamlspec import ascii_int, shown
 
 
 class Axis(StrEnum):
@@ -279,23 +280,23 @@ def _enum(cls: type, value: object, name: str):
     try:
         return cls(value)
     except ValueError:
-        raise PlanError(f"plan: {name} must be one of {', '.join(cls)}, got {value!r}") from None
+        raise PlanError(f"plan: {name} must be one of {', '.join(cls)}, got {shown(value)}") from None
 
 
 def _check_positive(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise PlanError(f"plan: {name} must be a positive integer, got {value!r}")
+        raise PlanError(f"plan: {name} must be a positive integer, got {shown(value)}")
 
 
 def _check_zero(value: object) -> None:
     if value not in (0, 1, 2, 3) or isinstance(value, bool):
-        raise PlanError(f"plan: zero must be 0, 1, 2 or 3, got {value!r}")
+        raise PlanError(f"plan: zero must be 0, 1, 2 or 3, got {shown(value)}")
 
 
 def _check_order(order: object) -> tuple[Axis, ...]:
     """The placement as Axis values; each of dp, tp and pp exactly once."""
     if isinstance(order, str) or not isinstance(order, (tuple, list)):
-        raise PlanError(f"plan: order must name dp, tp and pp once each, got {order!r}")
+        raise PlanError(f"plan: order must name dp, tp and pp once each, got {shown(order)}")
     axes = tuple(_enum(Axis, a, "order") for a in order)
     if sorted(axes) != sorted(Axis):
         raise PlanError(f"plan: order must name dp, tp and pp once each, got {'-'.join(axes)}")
@@ -305,9 +306,9 @@ def _check_order(order: object) -> tuple[Axis, ...]:
 def _check_stage_layers(value: object) -> tuple[int, ...]:
     """Layer counts per stage as a tuple: non-negative integers, at least one layer in all."""
     if isinstance(value, str) or not isinstance(value, (tuple, list)):
-        raise PlanError(f"plan: stage_layers must be layer counts per stage such as 7/8/8/7, got {value!r}")
+        raise PlanError(f"plan: stage_layers must be layer counts per stage such as 7/8/8/7, got {shown(value)}")
     if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in value) or not sum(value):
-        raise PlanError(f"plan: stage_layers must be non-negative layer counts with at least one layer, got {value!r}")
+        raise PlanError(f"plan: stage_layers must be non-negative layer counts with at least one layer, got {shown(value)}")
     return tuple(value)
 
 
@@ -321,7 +322,9 @@ def share_weight(shares: tuple[int, ...], dp_rank: int) -> float:
 def _check_dp_mbs(value: object, *, dp: int | None, mbs: int | None) -> tuple[int, ...]:
     """A tuple of positive micro-batch sizes, one per replica where dp is known, the largest equal to mbs where mbs is."""
     if not isinstance(value, tuple) or not value or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in value):
-        raise PlanError(f"plan: dp_mbs must be positive micro-batch sizes, one per data-parallel replica, such as 6/2, got {value!r}")
+        raise PlanError(
+            f"plan: dp_mbs must be positive micro-batch sizes, one per data-parallel replica, such as 6/2, got {shown(value)}"
+        )
     text = field_text(value)
     if dp is not None and len(value) != dp:
         raise PlanError(f"plan: dp_mbs={text} names {len(value)} replicas, but dp={dp}: give one micro-batch size per replica")
@@ -409,6 +412,10 @@ def _split_plan(text: str) -> dict[str, object]:
         if key in out:
             raise PlanError(f"plan {text!r}: {key} given twice")
         out[key] = _parse_value(key, value, text)
+        if key in _INT_KEYS:
+            _check_positive(key, out[key])  # before gas = global batch size / (dp * mbs) divides by them
+        elif key == "dp_mbs":
+            _check_dp_mbs(out[key], dp=None, mbs=None)  # before gas = global batch size / sum(dp_mbs)
     return out
 
 
@@ -423,23 +430,27 @@ def _parse_value(key: str, value: str, text: str) -> object:
         return _parse_stage_layers(value, text)
     if key == "dp_mbs":
         try:
-            return tuple(int(n) for n in value.split("/"))
+            return tuple(ascii_int(n) for n in value.split("/"))
         except ValueError:
-            raise PlanError(f"plan {text!r}: dp_mbs must be micro-batch sizes per replica such as 6/2, got {value!r}") from None
+            raise PlanError(
+                f"plan {text!r}: dp_mbs must be micro-batch sizes per replica such as 6/2, got {shown(value)}"
+            ) from None
     if key in ("recompute", "offload"):
         return value
     try:
-        return int(value)
-    except ValueError:
-        raise PlanError(f"plan {text!r}: {key} must be an integer, got {value!r}") from None
+        return ascii_int(value)
+    except ValueError as err:
+        raise PlanError(f"plan {text!r}: {key} must be an integer, got {shown(value)} ({err})") from None
 
 
 def _parse_stage_layers(value: str, text: str) -> tuple[int, ...]:
     """``7/8/8/7`` as (7, 8, 8, 7)."""
     try:
-        return tuple(int(n) for n in value.split("/"))
+        return tuple(ascii_int(n) for n in value.split("/"))
     except ValueError:
-        raise PlanError(f"plan {text!r}: stage_layers must be layer counts per stage such as 7/8/8/7, got {value!r}") from None
+        raise PlanError(
+            f"plan {text!r}: stage_layers must be layer counts per stage such as 7/8/8/7, got {shown(value)}"
+        ) from None
 
 
 def plan_from_mapping(data: Mapping[str, object]) -> Plan:
@@ -504,7 +515,7 @@ class PartialPlan:
         if self.offload is not None:
             object.__setattr__(self, "offload", _enum(Offload, self.offload, "offload"))
         if self.sp is not None and not isinstance(self.sp, bool):
-            raise PlanError(f"plan: sp must be true or false, got {self.sp!r}")
+            raise PlanError(f"plan: sp must be true or false, got {shown(self.sp)}")
         if self.order is not None:
             object.__setattr__(self, "order", _check_order(self.order))
         _check_pairs(tp=self.tp, pp=self.pp, zero=self.zero, sp=self.sp, vpp=self.vpp, offload=self.offload)

@@ -63,7 +63,7 @@ from lightning_fleet.planning.estimate import (
 from lightning_fleet.planning.estimate import estimate as estimate_plan
 from lightning_fleet.planning.estimate import replica_devices, replica_estimate, stage_devices
 from lightning_fleet.planning.memory import MemoryEstimate
-from lightning_fleet.planning.model import ModelSpec
+from lightning_fleet.planning.model import MAX_GLOBAL_BATCH_SIZE, ModelSpec
 from lightning_fleet.planning.overlap import Overlaps
 from lightning_fleet.planning.plan import DEFAULT_ORDER, Axis, Offload, PartialPlan, Plan, Recompute, field_text
 from lightning_fleet.planning.stages import StageLoad, balanced_stage_layers, check_stage_layers, stage_layers, with_stage_layers
@@ -1027,6 +1027,9 @@ def plan(
     """
     if top < 1:
         raise PlanError(f"top must be >= 1, got {top}")
+    if model.global_batch_size > MAX_GLOBAL_BATCH_SIZE:  # the search walks its divisors for every dp (time ~ its root)
+        raise PlanError(f"global batch size {model.global_batch_size:,} is more than the planner searches "
+                        f"({MAX_GLOBAL_BATCH_SIZE:,} samples): give a smaller one")
     cons = constraints if constraints is not None else Constraints(**constraint_fields)  # type: ignore[arg-type]
     if cons.dp_mbs is not None:
         return _plan_uneven_dp(model, cluster, cons, top=top, max_rejected=max_rejected, exhaustive=exhaustive)
