@@ -44,17 +44,20 @@ from lightning_fleet.calibrate.measure import (  # noqa: E402
 from lightning_fleet.calibrate.measure import RANK_PROBE_S  # noqa: E402
 from lightning_fleet.data import TrainingData, example_batch, inspect_training_loader, step_loader  # noqa: E402
 from lightning_fleet.decide import Decision, JobOptions, ModuleFacts, Resume, ResumeKind, decide, job_global_batch_size, resume_of  # noqa: E402
-from lightning_fleet.elastic.callback import FleetCheckpoint  # noqa: E402
-from lightning_fleet.elastic.checkpoint import refuse_unsafe_pickles  # noqa: E402
+from lightning_fleet.elastic.callback import NON_FINITE_POLICIES, FleetCheckpoint, NonFiniteGuard  # noqa: E402
+from lightning_fleet.elastic.checkpoint import VerifiedCheckpoint  # noqa: E402
+from lightning_fleet.elastic.safe_load import load_file, restricted  # noqa: E402
 from lightning_fleet.elastic.compatibility import RESUME_POLICIES, JobFacts, checkpoint_to_continue, job_facts  # noqa: E402
-from lightning_fleet.elastic.layout import MANIFEST, rank_file  # noqa: E402
+from lightning_fleet.elastic.layout import MANIFEST, rank_file, rank_file_name  # noqa: E402
 from lightning_fleet.elastic.sampler import MicroBatches, ShareSchedule  # noqa: E402
 from lightning_fleet.elastic.worker import (  # noqa: E402
     announce_launch_advice,
     deterministic,
     deterministic_errors,
+    die_with_agent,
     install_error_hook,
     open_process_group,
+    strict_sigterm_broadcast,
 )
 from lightning_fleet.export import lightning_checkpoint  # noqa: E402
 from lightning_fleet.hooks import find_layers, module_hooks, tensor_parallel_hook  # noqa: E402
@@ -112,6 +115,11 @@ class FleetStrategy(DeepSpeedStrategy):
             whose loss is known not to depend on the micro-batch, under automatic optimization. None (the default):
             every 100 steps, and never so often that the probes take more than REBALANCE_OVERHEAD of the time trained;
             0: never.
+        non_finite: what a step whose loss is NaN or infinite on any rank does (checked on every rank before the
+            optimizer applies it, agreed with one small all-reduce): ``"stop"`` (the default) ends the job in one line
+            naming the step and the last good checkpoint; ``"skip"`` leaves that step unapplied (weights and optimizer
+            state unchanged), with a line for it and the count at the end of fit. Either way non-finite weights are
+            never saved (FleetCheckpoint checks every rank's shard before each commit).
     """
 
     strategy_name = "fleet"
@@ -136,6 +144,7 @@ class FleetStrategy(DeepSpeedStrategy):
         progress: bool = True,
         hand_back: bool = True,
         rebalance_every_n_steps: int | None = None,
+        non_finite: str = "stop",
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -176,6 +185,10 @@ class FleetStrategy(DeepSpeedStrategy):
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
         self.checkpoint_every = (checkpoint_every_n_steps, checkpoint_every_n_seconds)
         self.resume, self.progress, self.hand_back = resume, progress, hand_back
+        if non_finite not in NON_FINITE_POLICIES:
+            choices = ", ".join(map(repr, NON_FINITE_POLICIES))
+            raise FleetError(f"FleetStrategy(non_finite={non_finite!r}): must be one of {choices}")
+        self.non_finite = non_finite
         self.backend = DeepSpeedBackend()
         """The runtime that applies the decision."""
         self.decision: Decision | None = None
@@ -259,13 +272,32 @@ class FleetStrategy(DeepSpeedStrategy):
         """Under plain torchrun, open the process group on a store prefix of this attempt's own, so a restart never reads
         a dead attempt's addresses (lightning_fleet.elastic.worker); DeepSpeed adopts the group. Then put the one-line
         FleetError hook back outside the one ``init_process_group`` installs (it would swallow the line); say what only
-        the launch command can fix (an elastic plain-torchrun job)."""
+        the launch command can fix (an elastic plain-torchrun job). Every step of this fit is supervised
+        (:meth:`_supervise`)."""
+        self._supervise()
         device = self.root_device if self.root_device.type == "cuda" else None
         open_process_group(self._get_process_group_backend(), self.global_rank, self.world_size, self._timeout, device_id=device)
         with noise.without_banner():
             super()._init_deepspeed_distributed()
         install_error_hook()
         announce_launch_advice(self.global_rank)
+
+    def _supervise(self) -> None:
+        """For this fit (undone at teardown): every process group torch or DeepSpeed creates gets ``timeout`` (torch's
+        ``new_group`` takes its default, 30 min for gloo, from distributed_c10d's ``default_pg_timeout``, and DeepSpeed's
+        groups pass none), and Lightning's per-step SIGTERM broadcast raises when a peer hung past it instead of
+        swallowing the timeout. Under torchrun the worker dies with its agent (lightning_fleet.elastic.worker)."""
+        from torch.distributed import distributed_c10d
+
+        if self._timeout is not None:
+            for name in ("default_pg_timeout", "default_pg_nccl_timeout"):
+                self._patch(distributed_c10d, name, self._timeout)
+        trainer = self.lightning_module._trainer if self.lightning_module is not None else None
+        loop = trainer.fit_loop.epoch_loop if trainer is not None else None
+        broadcast = strict_sigterm_broadcast(loop, self._timeout) if loop is not None else None
+        if broadcast is not None:
+            self._patch(loop, "_broadcast_sigterm_tensor", broadcast)
+        die_with_agent()
 
     def _get_process_group_backend(self) -> str:
         return self._process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
@@ -301,7 +333,8 @@ class FleetStrategy(DeepSpeedStrategy):
         with deterministic_errors():  # every attempt of this job would raise them again: no restart loop
             _check_trainer_flags(trainer)
             fit = self._fit
-            fit.facts = job_facts(self.lightning_module, global_batch_size=self.options.global_batch_size, data_seed=_sampler_seed())
+            seed = self.broadcast(_sampler_seed())  # rank 0's: ranks seeded apart (seed + rank) still read one order
+            fit.facts = job_facts(self.lightning_module, global_batch_size=self.options.global_batch_size, data_seed=seed)
             directory = self._attach_callbacks(trainer)
             fit.data = inspect_training_loader(_user_training_loader(trainer))
             self.decision = self._decide(trainer, directory)
@@ -310,10 +343,13 @@ class FleetStrategy(DeepSpeedStrategy):
             super().setup(trainer)
 
     def _attach_callbacks(self, trainer) -> Path | None:  # type: ignore[no-untyped-def]
-        """FleetProgress, and FleetCheckpoint for checkpoint_dir; the directory whose newest checkpoint a fit without
-        ``ckpt_path`` continues (None: no FleetCheckpoint). Lightning's resume is pointed at the decided checkpoint."""
+        """FleetProgress, NonFiniteGuard, and FleetCheckpoint for checkpoint_dir, which claims its directory (lock, probe)
+        before anything reads it; the directory whose newest checkpoint a fit without ``ckpt_path`` continues (None: no
+        FleetCheckpoint). Lightning's resume is pointed at the decided checkpoint."""
         if not any(isinstance(c, FleetProgress) for c in trainer.callbacks):
             trainer.callbacks.append(FleetProgress(lines=self.progress))
+        if not any(isinstance(c, NonFiniteGuard) for c in trainer.callbacks):
+            trainer.callbacks.insert(0, NonFiniteGuard(self.non_finite))  # a step's verdict before any callback saves it
         callbacks = [c for c in trainer.callbacks if isinstance(c, FleetCheckpoint)]
         if self.checkpoint_dir is not None and not callbacks:
             steps, seconds = self.checkpoint_every
@@ -321,6 +357,7 @@ class FleetStrategy(DeepSpeedStrategy):
             trainer.callbacks.append(callbacks[0])
         if not callbacks:
             return None
+        callbacks[0].claim(trainer)
         connector = trainer._checkpoint_connector
         resume_start = connector.resume_start
 
@@ -334,7 +371,7 @@ class FleetStrategy(DeepSpeedStrategy):
         return callbacks[0].dirpath
 
     def _decide(self, trainer, directory: Path | None) -> Decision:  # type: ignore[no-untyped-def]
-        """The fit's one Decision: rank 0 chooses the checkpoint to continue (verified and screened once), every rank
+        """The fit's one Decision: rank 0 chooses the checkpoint to continue (verified once), every rank
         profiles the module at the resulting global batch, rank 0 decides; each step is broadcast once."""
         fit, started = self._fit, time.perf_counter()
         cluster = self._resolve_cluster()
@@ -411,8 +448,8 @@ class FleetStrategy(DeepSpeedStrategy):
         resume = decision.resume
         if resume.kind is ResumeKind.RESHARD:
             assert resume.path is not None and resume.manifest is not None
-            step, manifest = Path(resume.path), resume.manifest
-            self._fit.universal = self._on_rank_zero(lambda: self.backend.reshard(step, manifest))
+            verified = VerifiedCheckpoint(Path(resume.path), resume.manifest)
+            self._fit.universal = self._on_rank_zero(lambda: self.backend.reshard(verified))
         module = self.lightning_module
         tp = tensor_parallel_hook(module)
         self.config = self.backend.config(
@@ -590,7 +627,7 @@ class FleetStrategy(DeepSpeedStrategy):
                 dp_rank=self.dp_rank,
                 gas=plan.gas,
                 shares=self._fit.shares,
-                seed=_sampler_seed(),
+                seed=self.checkpoint_facts().data_seed,  # the seed the checkpoints record
                 first_step=lambda: trainer.global_step,
             )
 
@@ -725,41 +762,44 @@ class FleetStrategy(DeepSpeedStrategy):
         self.barrier("fleet-layout-written")
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """fit: the decided FleetCheckpoint step (verified and screened once at setup; resharded or as written, with each
-        rank's RNG), or a ``trainer.save_checkpoint`` dir (its pickles screened); validate/test/predict: any checkpoint
-        of any plan as full weights, or a single file."""
+        """fit: the decided FleetCheckpoint step (verified once at setup, each file checked again as it is read; resharded
+        or as written, with each rank's RNG), or a ``trainer.save_checkpoint`` dir; validate/test/predict: any checkpoint
+        of any plan as full weights, or a single file. Every file is read by the restricted unpickler."""
         path = Path(checkpoint_path)
         if self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
             if path.is_dir():
                 return lightning_checkpoint(path)
-            return self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
+            with restricted():
+                return self.checkpoint_io.load_checkpoint(path, weights_only=True)
         resume = self.decision.resume if self.decision is not None else None
         if resume is None or resume.path is None or Path(resume.path) != path:
             return self._load_plain(path)
         return self._load_decided(path, resume)
 
     def _load_plain(self, path: Path) -> dict[str, Any]:
-        """A ``trainer.save_checkpoint`` dir given as ``ckpt_path`` (no manifest): its pickles screened, then loaded."""
+        """A ``trainer.save_checkpoint`` dir given as ``ckpt_path`` (no manifest): loaded by the restricted unpickler."""
         if (path / MANIFEST).is_file():  # only the step decided at setup is continued
             raise FleetError(f"checkpoint {path} was not the one this fit decided to continue at setup; pass it as ckpt_path")
-        self._on_rank_zero(lambda: refuse_unsafe_pickles(path))
         _check_is_directory(path)
-        return self.backend.load(self.deepspeed_engine, path, optimizer_states=True, strict=self.lightning_module.strict_loading)
+        strict = self.lightning_module.strict_loading
+        return self.backend.load(self.deepspeed_engine, path, optimizer_states=True, strict=strict, checkpoint=None)
 
     def _load_decided(self, path: Path, resume: Resume) -> dict[str, Any]:
         """The FleetCheckpoint step the decision continues: its universal form when resharded, else its shards and this
         rank's RNG state."""
         manifest, strict = resume.manifest, self.lightning_module.strict_loading
         assert manifest is not None
+        engine = self.deepspeed_engine
         if resume.kind is ResumeKind.RESHARD:
             assert self._fit.universal is not None
-            state = self.backend.load(self.deepspeed_engine, self._fit.universal, optimizer_states=True, strict=strict)
+            state = self.backend.load(engine, self.backend.derived_of(path), optimizer_states=True, strict=strict, checkpoint=self._fit.universal)
             how = f"resharded from {manifest.world_size} to {self.world_size} processes, {manifest.plan} -> {self.plan}"
         else:
-            state = self.backend.load(self.deepspeed_engine, self.backend.state_of(path), optimizer_states=True, strict=strict)
-            rng = rank_file(path, self.global_rank)
-            if rng.is_file():
-                RngState.from_checkpoint(torch.load(rng, weights_only=True)).install()
+            checkpoint = VerifiedCheckpoint(path, manifest)
+            state = self.backend.load(engine, self.backend.state_of(path), optimizer_states=True, strict=strict, checkpoint=checkpoint)
+            rng = manifest.files.get(rank_file_name(self.global_rank))
+            if rng is not None:
+                RngState.from_checkpoint(load_file(rank_file(path, self.global_rank), rng)).install()
             how = "same plan and world"
         self.resumed_from = path
         if self.is_global_zero:
@@ -786,7 +826,7 @@ class _FitState:
     def __init__(self) -> None:
         self.facts: JobFacts | None = None  # what a checkpoint of this job records (elastic/compatibility.py)
         self.data: TrainingData | None = None  # the user's training data, as the strategy re-batches it
-        self.universal: Path | None = None  # the resharded form of the decided checkpoint (rank 0 converted it)
+        self.universal: VerifiedCheckpoint | None = None  # the decided checkpoint listing its resharded form (rank 0 converted it)
         self.engine: Any = None  # the runtime's engine of the last fit (kept for saving after evaluation)
         self.module_record: Any = None  # what the backend's hand_back restores at the end of fit
         self.restorers: list[Any] = []  # how to undo this fit's module patches

@@ -22,7 +22,8 @@ import psutil
 import pytest
 import torch
 
-from lightning_fleet.elastic.checkpoint import file_table, newest_verified, refuse_unsafe_pickles
+from lightning_fleet.elastic.checkpoint import file_table, newest_verified
+from lightning_fleet.elastic.safe_load import load_file
 from lightning_fleet.elastic.layout import LATEST, MANIFEST, Manifest, verify
 from lightning_fleet.planning import FleetError
 from tests.multiprocess import ROOT, finish, free_port, worker_env
@@ -269,10 +270,66 @@ def test_malicious_pickle_is_refused_and_never_runs(checkpoints, tmp_path):
     (step / MANIFEST).write_text(replace(manifest, files=file_table(step)).to_json())
     assert verify(step).ok  # the attacker kept the manifest consistent
     with pytest.raises(FleetError) as err:
-        refuse_unsafe_pickles(step)
+        load_file(shard, verify(step).manifest.files[shard.relative_to(step).as_posix()])
     assert "os.system" in str(err.value) or "posix.system" in str(err.value)
-    assert "refusing" in str(err.value)
+    assert "restricted unpickler refuses" in str(err.value)
     assert not marker.exists()
+
+
+def _relist(step: Path) -> None:
+    """Rewrite a step's manifest to match its files, as an attacker with write access would."""
+    manifest = Manifest.from_json((step / MANIFEST).read_text())
+    (step / MANIFEST).write_text(replace(manifest, files=file_table(step)).to_json())
+
+
+def test_a_payload_the_old_screen_missed_is_refused_on_resume_and_never_runs(checkpoints, tmp_path):
+    """A DeepSpeed shard replaced by a raw pickle with a zip appended (the old opcode screen read the zip; torch.load,
+    as DeepSpeed calls it, reads the pickle), manifest rewritten to match: the resuming job ends with one line, no
+    restart, and the payload never runs."""
+    from tests.test_safe_load import pickle_with_zip_appended
+
+    ckpt = copy_of(checkpoints, tmp_path)
+    step = ckpt / "step-000000006"
+    marker = tmp_path / "payload-ran"
+    shard = next((step / "state" / "checkpoint").glob("*optim_states.pt"))
+    shard.write_bytes(pickle_with_zip_appended(marker))
+    _relist(step)
+    proc = launch(tmp_path, "--steps", "8", "--every", "2", "--plan", "dp=2,zero=2", restarts=1)
+    assert finish(proc, timeout=180) == 2
+    log = (tmp_path / "launch.log").read_text()
+    assert "which the restricted unpickler refuses (it could run code; nothing of it ran)" in log, log[-3000:]
+    assert not marker.exists()
+
+
+def test_deepspeeds_latest_pointing_outside_the_checkpoint_is_never_read(checkpoints, tmp_path):
+    """state/latest rewritten to an absolute path holding a payload checkpoint (manifest rewritten to match): the
+    tag is passed explicitly, so DeepSpeed loads the verified files and the job finishes; the payload never runs."""
+    from tests.test_safe_load import zip_torch_file
+
+    ckpt = copy_of(checkpoints, tmp_path)
+    step = ckpt / "step-000000006"
+    marker, elsewhere = tmp_path / "payload-ran", tmp_path / "elsewhere"
+    shutil.copytree(step / "state" / "checkpoint", elsewhere / "tag")
+    for file in (elsewhere / "tag").glob("*.pt"):
+        file.write_bytes(zip_torch_file(marker))
+    (step / "state" / "latest").write_text(str(elsewhere / "tag"))
+    _relist(step)
+    proc = launch(tmp_path, "--steps", "8", "--every", "2", "--plan", "dp=2,zero=2", restarts=0)
+    assert finish(proc, timeout=180) == 0, (tmp_path / "launch.log").read_text()[-3000:]
+    assert "resumed from" in (tmp_path / "launch.log").read_text() and not marker.exists()
+
+
+def test_a_checkpoint_dir_others_can_write_is_refused_without_restarts(checkpoints, tmp_path):
+    """The audit's planted-checkpoint case needs a directory another user can write: refused in one line, exit 2,
+    no restart spent (every attempt would refuse it again)."""
+    ckpt = copy_of(checkpoints, tmp_path)
+    ckpt.chmod(0o777)
+    proc = launch(tmp_path, "--steps", "8", "--every", "2", "--plan", "dp=2,zero=2", restarts=2)
+    assert finish(proc, timeout=180) == 2
+    log = (tmp_path / "launch.log").read_text()
+    errors = [line for line in log.splitlines() if line.startswith("lightning_fleet: error:")]
+    assert len(errors) == 1 and "is writable by everyone (mode 777)" in errors[0] and "chmod go-w" in errors[0], log[-3000:]
+    assert "will restart worker group" not in log
 
 
 def test_resize_across_plan_kinds_replans_reshards_and_loses_nothing(tmp_path):

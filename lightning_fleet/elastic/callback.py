@@ -5,15 +5,26 @@ on SIGTERM, and at the end of training. One small all-reduce per step makes ever
 whether to save or stop at this step, so a SIGTERM delivered to a single rank (a preempted node)
 stops all ranks at the same step with one consistent checkpoint, and the job exits cleanly.
 
-Imports torch and Lightning; imported by the strategy (which attaches it for ``checkpoint_dir``) and by users. What
-it writes where is described in :mod:`lightning_fleet.elastic.layout`.
+Nothing is lost and no failure repeats itself. Before anything reads or writes the directory (:meth:`FleetCheckpoint.claim`,
+at setup) rank 0 takes its lock (elastic/lock.py: one job at a time), removes saves that never committed and probes
+it: a directory that cannot be written, or has no room for one more checkpoint, is one line before training, marked
+deterministic (torchrun does not retry it). Every save first agrees on the weights being finite (each rank its own
+shard) and on rank 0 still holding the lock and having room; a save that fails anyway (a disk filling up meanwhile)
+is one line naming the step, the path and the intact previous checkpoint, and leaves nothing behind. A step whose loss
+is not finite is stopped or skipped before the optimizer applies it (:class:`NonFiniteGuard`, ``FleetStrategy(
+non_finite=...)``), so non-finite weights are never committed nor counted toward ``keep``.
+
+Imports torch and Lightning; imported by the strategy (which attaches FleetCheckpoint for ``checkpoint_dir`` and
+NonFiniteGuard for every fit) and by users. What it writes where is described in :mod:`lightning_fleet.elastic.layout`.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +32,30 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback
 
-from lightning_fleet.elastic.checkpoint import file_table, fsync_path, fsync_tree, prune, remove_abandoned, write_atomic
-from lightning_fleet.elastic.layout import LATEST, MANIFEST, Manifest, rank_file, state_dir, step_dir_name, tmp_name
+from lightning_fleet.elastic.checkpoint import (
+    committed,
+    directory_bytes,
+    file_table,
+    fsync_path,
+    fsync_tree,
+    make_private_dir,
+    probe_writable,
+    prune,
+    remove_abandoned,
+    set_aside,
+    set_aside_newer,
+    write_atomic,
+)
+from lightning_fleet.elastic.layout import LATEST, MANIFEST, Manifest, rank_file, state_dir, step_dir_name, step_of, tmp_name
+from lightning_fleet.elastic.lock import DirLock
+from lightning_fleet.elastic.worker import deterministic
 from lightning_fleet.planning import FleetError
 from lightning_fleet.rng import RngState
+
+CHECKPOINT_BYTES_PER_PARAMETER = 16
+"""Free space a first checkpoint needs per parameter of the module, where the directory holds none to measure:
+DeepSpeed's checkpoint of a ZeRO 1-3 job holds the module's fp32 weights (4 bytes) beside the optimizer's fp32 copy and
+Adam's two moments (12 bytes, the "K = 12" of Rajbhandari et al. 2020, ZeRO, section 3.1); ZeRO-0 holds 12 of them."""
 
 
 class FleetCheckpoint(Callback):
@@ -57,23 +88,90 @@ class FleetCheckpoint(Callback):
         self._previous_handler: Any = None
         self._last_save_time = time.monotonic()
         self._last_saved_step = -1
+        self._lock: DirLock | None = None  # rank 0's hold on dirpath, from claim() to the end of fit
+        self._claimed = False
+        self._needed_bytes = 0  # free space one more checkpoint needs (the newest one's size, or the estimate)
+        self._resumed: Path | None = None  # the checkpoint this fit continued, the last good one before its own saves
+
+    # --- the directory ------------------------------------------------------------------------
+
+    def claim(self, trainer: Any) -> None:
+        """Before anything reads or writes ``dirpath``: rank 0 takes its lock, removes saves that never committed and
+        probes that one more checkpoint can be written (the directory writable, free space at least the newest
+        checkpoint's size, or :data:`CHECKPOINT_BYTES_PER_PARAMETER` per parameter when there is none). Every rank raises
+        the same deterministic FleetError when not. Collective; once per fit (FleetStrategy calls it at setup, before
+        choosing the checkpoint to continue; with another strategy it runs at train start)."""
+        if self._claimed:
+            return
+        verdict = self._claim_here(trainer) if trainer.is_global_zero else None
+        problem, needed = trainer.strategy.broadcast(verdict) if trainer.world_size > 1 else (verdict or (None, 0))
+        if problem is not None:
+            raise deterministic(FleetError(problem))
+        self._claimed, self._needed_bytes = True, needed
+
+    def _claim_here(self, trainer: Any) -> tuple[str | None, int]:
+        """Rank 0's part of :meth:`claim`: (what is wrong or None, bytes one more checkpoint needs)."""
+        try:
+            make_private_dir(self.dirpath)
+            self._lock = self._lock or DirLock(self.dirpath, log=lambda line: print(line, flush=True))
+            self._lock.acquire()
+            remove_abandoned(self.dirpath, self._lock)
+            needed, basis = self._space_needed(trainer)
+            problem = probe_writable(self.dirpath)
+        except FleetError as err:
+            return str(err), 0
+        except OSError as err:
+            problem, needed, basis = f"it cannot be used ({err.strerror or err})", 0, ""
+        except Exception as err:  # a bug or an unexpected state: the other ranks must not wait for the broadcast
+            return f"checkpoint directory {self.dirpath} could not be claimed: {_error_text(err)}", 0
+        if problem:
+            return (f"checkpoint directory {self.dirpath}: {problem}; every save would fail (after training, and again at "
+                    "every restart): make it writable or point checkpoint_dir elsewhere"), 0
+        free = shutil.disk_usage(self.dirpath).free
+        if free < needed:
+            return (f"checkpoint directory {self.dirpath} has {_size(free)} free, and one more checkpoint needs about "
+                    f"{_size(needed)} ({basis}): free space there or point checkpoint_dir elsewhere"), 0
+        return None, needed
+
+    def _space_needed(self, trainer: Any) -> tuple[int, str]:
+        """(bytes, how they were found) one more checkpoint needs: the newest one's size, else an estimate."""
+        newest = committed(self.dirpath)
+        if newest:
+            return directory_bytes(newest[0]), f"the size of {newest[0].name}"
+        params = sum(p.numel() for p in trainer.lightning_module.parameters())
+        return CHECKPOINT_BYTES_PER_PARAMETER * params, (
+            f"{CHECKPOINT_BYTES_PER_PARAMETER} bytes for each of the module's {params} parameters; none saved there yet")
+
+    def _release(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+        self._claimed = False
 
     # --- signals ----------------------------------------------------------------------------
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        """Take over SIGTERM (after Lightning registered its own handler, which would abort the step)."""
+        """Take over SIGTERM (after Lightning registered its own handler, which would abort the step); claim the
+        directory if the strategy did not."""
+        self.claim(trainer)
         self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
         self._last_save_time = time.monotonic()
         self._last_saved_step = trainer.global_step
+        resumed = getattr(trainer.strategy, "resumed_from", None)
+        self._resumed = Path(resumed) if resumed is not None else None
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         self._sigterm = True
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        """Give SIGTERM back to the handler it had before training."""
+        """Give SIGTERM back to the handler it had before training; release the directory."""
         if self._previous_handler is not None:
             signal.signal(signal.SIGTERM, self._previous_handler)
             self._previous_handler = None
+        self._release()
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        """A fit that failed releases the directory too (a restart of the same job would take it over anyway)."""
+        self._release()
 
     # --- when to save -----------------------------------------------------------------------
 
@@ -102,41 +200,137 @@ class FleetCheckpoint(Callback):
     # --- the save ---------------------------------------------------------------------------
 
     def save(self, trainer: Any) -> Path | None:
-        """Commit a checkpoint of the current step (every rank calls this together); None if it exists already."""
+        """Commit a checkpoint of the current step (every rank calls this together); None if it exists already.
+        FleetError on every rank, with nothing of the step kept, when the weights are not finite, the directory was lost
+        to another job or has no room, or the write fails."""
         step = trainer.global_step
         if step == self._last_saved_step:
             return None
+        self.claim(trainer)
         started = time.perf_counter()
         final = self.dirpath / step_dir_name(step)
         tmp = self.dirpath / tmp_name(final.name)
-        strategy = trainer.strategy
-        if trainer.is_global_zero:
-            self.dirpath.mkdir(parents=True, exist_ok=True)
-            remove_abandoned(self.dirpath)
-            tmp.mkdir()
-        strategy.barrier("fleet-checkpoint-start")
-        trainer.save_checkpoint(state_dir(tmp), weights_only=False)  # a full, resumable checkpoint
-        torch.save(RngState.capture().to_checkpoint(), rank_file(tmp, trainer.global_rank))
-        fsync_tree(tmp)
-        strategy.barrier("fleet-checkpoint-written")
-        if trainer.is_global_zero:
-            self._commit(trainer, tmp, final)
-        strategy.barrier("fleet-checkpoint-committed")
+        self._agree_to_save(trainer, tmp, final)
+        self._write(trainer, tmp, final)
+        outcome = self._try_commit(trainer, tmp, final) if trainer.is_global_zero else None
+        problem, size = trainer.strategy.broadcast(outcome) if trainer.world_size > 1 else outcome
+        if problem is not None:
+            raise self._failed(final, problem)
+        self._needed_bytes = max(self._needed_bytes, size)
         self._last_save_time = time.monotonic()
         self._last_saved_step = step
         self.saved.append(final)
         self.save_seconds.append(time.perf_counter() - started)
         return final
 
-    def _commit(self, trainer: Any, tmp: Path, final: Path) -> None:
-        """Rank 0: manifest last, rename into place, then move ``latest`` and prune."""
-        write_atomic(tmp / MANIFEST, self._manifest(trainer, tmp).to_json())
-        if final.exists():  # left by a save that renamed but died before moving `latest`: same step, replace it
-            shutil.rmtree(final)
+    def _agree_to_save(self, trainer: Any, tmp: Path, final: Path) -> None:
+        """One all-reduce before anything is written: every rank's weights (its own shard) finite, and rank 0 still
+        holding the directory, with room for one more checkpoint, and its temporary directory made. FleetError on every
+        rank otherwise (rank 0's says what it found)."""
+        refusal = self._refusal_here(tmp) if trainer.is_global_zero else ""
+        flags = torch.zeros(trainer.world_size + 1, device=trainer.strategy.root_device)
+        flags[0] = float(bool(refusal))
+        flags[1 + trainer.global_rank] = float(not _weights_finite(trainer))
+        if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        found = flags.tolist()
+        ranks = [rank for rank, flag in enumerate(found[1:]) if flag > 0]
+        if not ranks and not found[0]:
+            return
+        if trainer.is_global_zero:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if ranks:
+            raise deterministic(FleetError(
+                f"the weights or optimizer state are not finite at step {trainer.global_step} ({_ranks(ranks)}'s shard): "
+                f"the checkpoint {final} was not written and the job stops; {self._last_good()} (a restart would train into "
+                "the same values again: lower the learning rate, clip gradients, or check the data of the steps since)"
+            ))
+        raise self._failed(final, refusal or "rank 0 could not start the save (see its line)")
+
+    def _refusal_here(self, tmp: Path) -> str:
+        """Rank 0: why it cannot start the save of ``tmp`` ('' when it can), having made ``tmp`` when it can."""
+        try:
+            assert self._lock is not None, "claim() took the lock on rank 0"
+            self._lock.verify()
+            remove_abandoned(self.dirpath, self._lock)
+            free = shutil.disk_usage(self.dirpath).free
+            if free < self._needed_bytes:
+                return "no room for it"  # _failed says how much
+            tmp.mkdir()
+        except FleetError as err:
+            return str(err)
+        except OSError as err:
+            return f"{err.strerror or err} ({err.filename or self.dirpath})"
+        return ""
+
+    def _write(self, trainer: Any, tmp: Path, final: Path) -> None:
+        """Every rank writes its part into ``tmp`` and fsyncs it. A failure inside the runtime's save is raised at once
+        (the ranks may have failed at different collectives: none waits for another); one after it is agreed."""
+        try:
+            trainer.save_checkpoint(state_dir(tmp), weights_only=False)  # a full, resumable checkpoint
+        except (OSError, RuntimeError) as err:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise self._failed(final, _error_text(err)) from None
+        failure: BaseException | None = None
+        try:
+            torch.save(RngState.capture().to_checkpoint(), rank_file(tmp, trainer.global_rank))
+            fsync_tree(tmp)
+        except (OSError, RuntimeError) as err:
+            failure = err
+        flag = torch.tensor([float(failure is not None)], device=trainer.strategy.root_device)
+        if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # also the barrier before rank 0 commits
+        if flag.item():
+            if trainer.is_global_zero:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise self._failed(final, _error_text(failure) if failure is not None else "another rank could not write its part")
+
+    def _try_commit(self, trainer: Any, tmp: Path, final: Path) -> tuple[str | None, int]:
+        """Rank 0: :meth:`_commit`, as (what went wrong or None, the checkpoint's bytes); a commit that failed before the
+        rename leaves nothing behind."""
+        try:
+            size = self._commit(trainer, tmp, final)
+        except (OSError, RuntimeError, FleetError) as err:
+            shutil.rmtree(tmp, ignore_errors=True)
+            return _error_text(err), 0
+        return None, size or 0
+
+    def _commit(self, trainer: Any, tmp: Path, final: Path) -> int:
+        """Rank 0: manifest last; ``latest`` names the step, then the directory is renamed into place (a crash between
+        the two leaves ``latest`` naming a missing directory: the newest verified one is resumed); what was already
+        there under that name, or numbered above it, is set aside (never deleted); then prune. Returns its bytes."""
+        manifest = self._manifest(trainer, tmp)
+        write_atomic(tmp / MANIFEST, manifest.to_json())
+        if os.path.lexists(final):  # not the checkpoint this job resumed (it did not verify, or `latest` named another)
+            print(f"lightning_fleet: {final} was already there; moved to {set_aside(self.dirpath, final)}", flush=True)
+        write_atomic(self.dirpath / LATEST, final.name)
         tmp.rename(final)
         fsync_path(final.parent)
-        write_atomic(self.dirpath / LATEST, final.name)
+        set_aside_newer(self.dirpath, manifest.step, log=lambda line: print(line, flush=True))
         prune(self.dirpath, self.keep, protect=[final])
+        return sum(entry.bytes for entry in manifest.files.values())
+
+    def _last_good(self) -> str:
+        """The newest checkpoint known good, in words (this fit's last save, else the one it resumed)."""
+        good = self.saved[-1] if self.saved else self._resumed
+        if good is None:
+            return f"no checkpoint of this job in {self.dirpath} yet"
+        return f"the last good checkpoint is {good} (step {step_of(good.name)})"
+
+    def _failed(self, final: Path, what: str) -> FleetError:
+        """The one line of a save that failed; deterministic when the next attempt's setup would fail the same way
+        (the directory unwritable, or without room for one more checkpoint)."""
+        free = shutil.disk_usage(self.dirpath).free if self.dirpath.is_dir() else 0
+        full = free < self._needed_bytes
+        if full:  # whatever the runtime said (torch's "enforce fail at inline_container.cc", ENOSPC): the cause is this
+            what = f"the file system is full ({_size(free)} free, a checkpoint needs about {_size(self._needed_bytes)})"
+        error = FleetError(
+            f"saving the checkpoint of step {step_of(final.name)} to {final} failed: {what}; nothing of it was kept and "
+            f"{self._last_good()}, intact: {'free space there' if full else 'fix the cause'} and restart (it resumes from "
+            "there), or point checkpoint_dir elsewhere"
+        )
+        unwritable = not self.dirpath.is_dir() or bool(probe_writable(self.dirpath))
+        return deterministic(error, full or unwritable)
 
     @staticmethod
     def _manifest(trainer: Any, tmp: Path) -> Manifest:
@@ -154,3 +348,185 @@ class FleetCheckpoint(Callback):
             data_seed=job.data_seed if job is not None else None,
             files=file_table(tmp),
         )
+
+
+NON_FINITE_POLICIES = ("stop", "skip")
+"""What a step whose loss is not finite does (``FleetStrategy(non_finite=...)``): ``stop``: the job stops before the
+optimizer applies it, in one line naming the step and the last good checkpoint; ``skip``: the step is not applied
+(weights and optimizer state unchanged), counted and reported."""
+
+
+class NonFiniteGuard(Callback):
+    """Stops or skips a step whose loss is NaN or infinite on any rank, before the optimizer applies it.
+
+    The loss of every step is checked on every rank right before its (last) backward and agreed with one small
+    all-reduce. ``stop`` raises there, a deterministic FleetError (a restart would train into the same value). ``skip``
+    makes the step's gradient NaN, which DeepSpeed's optimizer wrappers (ZeRO 1-3, fp16, bf16) discard as an overflow,
+    and, where the torch optimizer is stepped directly (ZeRO-0 in fp32, which would step into NaN weights), drops the
+    gradients before the step, so that no parameter is updated (torch optimizers skip parameters without a gradient).
+    Where the step runs inside the engine (a pipeline schedule) or the user steps (manual optimization), the loss is
+    checked after the step: ``skip`` then holds only where DeepSpeed skipped it itself, else the job stops.
+
+    Args:
+        policy: one of :data:`NON_FINITE_POLICIES`.
+    """
+
+    def __init__(self, policy: str = "stop") -> None:
+        if policy not in NON_FINITE_POLICIES:
+            raise FleetError(f"non_finite={policy!r}: must be one of {', '.join(map(repr, NON_FINITE_POLICIES))}")
+        self.policy = policy
+        self.skipped: list[int] = []
+        """The steps skipped in this fit (``skip``)."""
+        self._pending: str | None = None  # the step being skipped: its non-finite ranks, in words
+        self._checked = False  # the step's loss was checked before its backward
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        """A new step: nothing checked yet."""
+        self._pending, self._checked = None, False
+
+    def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
+        """The step's loss (its micro-batches' mean) before its last backward: agreed by every rank; stop or skip."""
+        if not getattr(pl_module, "automatic_optimization", True) or self._checked:
+            return
+        self._checked = True
+        bad = _non_finite_ranks(trainer, loss)
+        if not bad:
+            return
+        step = trainer.global_step + 1
+        if self.policy == "stop":
+            raise self._stop(trainer, step, bad, "it was not applied")
+        loss.register_hook(_poisoned)
+        self._pending = bad
+
+    def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+        """Skipping with the torch optimizer stepped directly (no overflow check of DeepSpeed's): drop the gradients."""
+        engine = _engine(trainer)
+        if self._pending is not None and not hasattr(getattr(engine, "optimizer", None), "overflow"):
+            for parameter in _module_of(engine).parameters():
+                parameter.grad = None
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """Report a skipped step (checking that DeepSpeed did skip it); check the loss of a step not checked before it."""
+        step, engine = trainer.global_step, _engine(trainer)
+        if self._pending is not None:
+            if hasattr(getattr(engine, "optimizer", None), "overflow") and _step_applied(engine):
+                raise self._stop(trainer, step, self._pending, "DeepSpeed applied it although its gradient was made NaN")
+            self._skip(trainer, step, self._pending)
+        elif not self._checked:
+            loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+            bad = _non_finite_ranks(trainer, loss if isinstance(loss, torch.Tensor) else None)
+            if bad and (self.policy == "stop" or _step_applied(engine)):
+                done = "applied" if _step_applied(engine) else "skipped"
+                raise self._stop(trainer, step, bad, f"it ran inside the engine, which {done} it")
+            if bad:
+                self._skip(trainer, step, bad)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        """The skipped steps, once, at the end of fit."""
+        if self.skipped and trainer.is_global_zero:
+            steps = ", ".join(map(str, self.skipped[:20])) + (", ..." if len(self.skipped) > 20 else "")
+            count = len(self.skipped)
+            print(f"lightning_fleet: {count} step(s) skipped for a non-finite loss (non_finite='skip'): {steps}", flush=True)
+
+    def _skip(self, trainer: Any, step: int, bad: str) -> None:
+        self.skipped.append(step)
+        self._pending = None
+        if trainer.is_global_zero:
+            print(f"lightning_fleet: step {step}: the loss is {bad}; the step was skipped (weights and optimizer state "
+                  f"unchanged; {len(self.skipped)} skipped in this fit)", flush=True)
+
+    def _stop(self, trainer: Any, step: int, bad: str, applied: str) -> FleetError:
+        checkpoints = [c for c in trainer.callbacks if isinstance(c, FleetCheckpoint)]
+        good = checkpoints[0]._last_good() if checkpoints else "no FleetCheckpoint saves this fit"
+        skip = ", or pass FleetStrategy(non_finite='skip') to skip such steps" if self.policy == "stop" else ""
+        return deterministic(FleetError(
+            f"the loss is {bad} at step {step} ({applied}); the job stops: {good}. Lower the learning rate, clip "
+            f"gradients or check the data of that step{skip}"
+        ))
+
+
+# --- small helpers --------------------------------------------------------------------------------------------
+
+
+def _engine(trainer: Any) -> Any:
+    """The engine training the module (FleetStrategy's DeepSpeed engine), else the trainer's model."""
+    return getattr(trainer.strategy, "deepspeed_engine", None) or trainer.model
+
+
+def _module_of(engine: Any) -> torch.nn.Module:
+    module = getattr(engine, "module", engine)
+    return module if isinstance(module, torch.nn.Module) else engine
+
+
+def _step_applied(engine: Any) -> bool:
+    """Whether the engine applied its last optimizer step (DeepSpeed skips one whose gradient overflowed)."""
+    applied = getattr(engine, "was_step_applied", None)
+    return bool(applied()) if callable(applied) else True
+
+
+def _poisoned(grad: torch.Tensor) -> torch.Tensor:
+    """The gradient of a step being skipped: NaN, which DeepSpeed's optimizer wrappers discard as an overflow."""
+    return torch.full_like(grad, float("nan"))
+
+
+def _non_finite_ranks(trainer: Any, loss: torch.Tensor | None) -> str:
+    """'' when the loss is finite on every rank, else e.g. ``NaN on rank 1``; one all-reduce (every rank calls it)."""
+    flags = torch.zeros(trainer.world_size, device=trainer.strategy.root_device)
+    if loss is not None:  # 2: NaN, 1: infinite, 0: finite; computed on the device, read once after the all-reduce
+        value = loss.detach().float().to(flags.device)
+        flags[trainer.global_rank] = torch.where(torch.isnan(value).any(), 2.0, torch.where(torch.isfinite(value).all(), 0.0, 1.0))
+    if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    found = flags.tolist()
+    bad = [rank for rank, flag in enumerate(found) if flag > 0]
+    if not bad:
+        return ""
+    kind = "NaN" if max(found) == 2 else "infinite"
+    return f"{kind} on {_ranks(bad)}"
+
+
+def _weights_tensors(trainer: Any) -> Iterator[torch.Tensor]:
+    """This rank's share of the weights and optimizer state: the module's parameters (their ZeRO-3 partitions), the
+    optimizer's parameters (DeepSpeed's fp32 partitions) and its state tensors."""
+    engine = _engine(trainer)
+    for parameter in _module_of(engine).parameters():
+        yield getattr(parameter, "ds_tensor", parameter)
+    optimizer = getattr(engine, "basic_optimizer", None) or getattr(engine, "optimizer", None)
+    if optimizer is None or not hasattr(optimizer, "param_groups"):
+        return
+    for group in optimizer.param_groups:
+        yield from (p for p in group["params"] if isinstance(p, torch.Tensor))
+    for state in getattr(optimizer, "state", {}).values():
+        yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+
+
+def _weights_finite(trainer: Any) -> bool:
+    """Whether this rank's share of the weights and optimizer state is finite."""
+    checks: dict[torch.device, list[torch.Tensor]] = {}
+    with torch.no_grad():
+        for tensor in _weights_tensors(trainer):
+            if tensor.is_floating_point() and tensor.numel():
+                checks.setdefault(tensor.device, []).append(torch.isfinite(tensor).all())
+        return all(bool(torch.stack(found).all()) for found in checks.values())  # one read per device
+
+
+def _ranks(ranks: list[int]) -> str:
+    shown = ", ".join(map(str, ranks[:8])) + (", ..." if len(ranks) > 8 else "")
+    return f"rank {shown}" if len(ranks) == 1 else f"ranks {shown}"
+
+
+def _size(count: float) -> str:
+    """Bytes for people: ``512 bytes``, ``86.3 KiB``, ``1.2 GiB``."""
+    if count < 1024:
+        return f"{count:.0f} bytes"
+    for unit in ("KiB", "MiB", "GiB"):
+        count /= 1024
+        if count < 1024 or unit == "GiB":
+            break
+    return f"{count:.1f} {unit}"
+
+
+def _error_text(err: BaseException) -> str:
+    """An exception in one bounded line (torch's C++ errors carry a stack)."""
+    text = " ".join(str(err).split("\n")[0].split()) or type(err).__name__
+    return f"{type(err).__name__}: {text[:300]}"

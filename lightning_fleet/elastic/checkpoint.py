@@ -1,33 +1,36 @@
-"""Atomic saves and commits of FleetCheckpoint checkpoints, the choice of the newest good one, and the pickle screen.
+"""Atomic saves and commits of FleetCheckpoint checkpoints, the choice of the newest good one, who may write them.
 
-Pure: imports neither torch nor deepspeed (pickles are screened with pickletools, never unpickled); imported by
+Pure: imports neither torch nor deepspeed (files are unpickled only by elastic/safe_load.py); imported by
 elastic/callback.py (saving), the strategy and the decision (resuming), export and the DeepSpeed runtime. Every name
 and path of the layout, the typed manifest and :func:`~lightning_fleet.elastic.layout.verify` live in
 :mod:`lightning_fleet.elastic.layout`.
 
 A save goes to the temporary directory; every rank fsyncs what it wrote; after a barrier rank 0
-hashes every file into the manifest, fsyncs it, renames the directory into place, fsyncs the
-parent, and only then moves ``latest`` and prunes beyond ``keep``. A checkpoint counts only if
-its manifest verifies: a torn save (no manifest), a truncated or bit-flipped or missing shard
-(size or hash mismatch), a malformed manifest is named and skipped for the previous good one.
+hashes every file into the manifest, fsyncs it, points ``latest`` at the step's name, renames the
+directory into place, fsyncs the parent, sets aside any higher-numbered directory and only then
+prunes beyond ``keep``. A checkpoint counts only if its manifest verifies: a torn save (no
+manifest), a truncated or bit-flipped or missing shard (size or hash mismatch), a malformed
+manifest is named and skipped for the previous good one. ``latest`` is read only when it is a
+small regular file (:func:`read_latest`), and the checkpoint it names wins over higher-numbered
+ones. Only the job holding the directory's lock (elastic/lock.py) writes, sets aside or removes.
 
 Reading a checkpoint once: :func:`newest_verified` (or ``layout.verify``) hashes every file once and returns a
 :class:`~lightning_fleet.elastic.layout.Verdict` carrying the typed manifest; :func:`accept` turns an ok verdict into a
-:class:`VerifiedCheckpoint` after screening its pickles, without hashing again.
+:class:`VerifiedCheckpoint`. A checkpoint directory must be its user's alone (:func:`check_private`); a derived form
+(the universal one) is hashed into the manifest when complete (:func:`list_derived`).
 """
 
 from __future__ import annotations
 
 import os
-import pickletools
-import re
 import shutil
-import zipfile
-from dataclasses import dataclass
+import stat
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Protocol
 
 from lightning_fleet.elastic.layout import (
+    PROBE_PREFIX,
     ABANDONED_GLOB,
     LATEST,
     MANIFEST,
@@ -87,16 +90,72 @@ def committed(dirpath: Path) -> list[Path]:
     return sorted(found, key=lambda p: step_of(p.name) or 0, reverse=True)
 
 
-def newest_verified(dirpath: Path, log: Callable[[str], None] = print) -> Verdict | None:
-    """The newest checkpoint whose manifest verifies. ``latest`` is only a hint; every skip is logged."""
+LATEST_MAX_BYTES = 256
+"""``latest`` is read only when it is a regular file of at most this many bytes (it holds one step dir's name)."""
+
+
+def read_latest(dirpath: Path, log: Callable[[str], None] = print) -> str | None:
+    """The step dir name ``latest`` holds; None when there is none, and None with a line when it is not a small regular
+    file (a FIFO, a device, a symbolic link: never followed, never blocked on, never read past LATEST_MAX_BYTES) or does
+    not hold a step dir's name."""
     hint = dirpath / LATEST
-    if hint.exists():
-        name = hint.read_text().strip()
-        if not (dirpath / name).is_dir():
-            log(f"lightning_fleet: '{hint}' points to {name!r}, which does not exist; scanning for the newest verified checkpoint")
-    elif committed(dirpath):
-        log(f"lightning_fleet: '{hint}' is missing; scanning for the newest verified checkpoint")
-    for candidate in committed(dirpath):
+    try:
+        info = os.lstat(hint)
+    except FileNotFoundError:
+        return None
+    except OSError as err:
+        log(f"lightning_fleet: ignoring '{hint}': it cannot be examined ({err.strerror})")
+        return None
+    if not stat.S_ISREG(info.st_mode) or info.st_size > LATEST_MAX_BYTES:
+        what = f"{info.st_size} bytes long" if stat.S_ISREG(info.st_mode) else f"{_file_kind(info.st_mode)}, not a regular file"
+        log(f"lightning_fleet: ignoring '{hint}': it is {what}; it should name a checkpoint in at most {LATEST_MAX_BYTES} bytes")
+        return None
+    try:
+        fd = os.open(hint, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as err:
+        log(f"lightning_fleet: ignoring '{hint}': it cannot be opened ({err.strerror})")
+        return None
+    with os.fdopen(fd, "rb") as f:
+        regular = stat.S_ISREG(os.fstat(f.fileno()).st_mode)  # replaced since the lstat: read nothing
+        data = f.read(LATEST_MAX_BYTES + 1) if regular else b""
+    name = data.decode("ascii", errors="replace").strip()
+    if not regular or step_of(name) is None:
+        log(f"lightning_fleet: ignoring '{hint}': it does not hold a checkpoint's name ({len(data)} bytes: {data[:40]!r})")
+        return None
+    return name
+
+
+def _file_kind(mode: int) -> str:
+    kinds = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory"))
+    return next((name for test, name in kinds if test(mode)), "not a regular file")
+
+
+def newest_verified(dirpath: Path, log: Callable[[str], None] = print) -> Verdict | None:
+    """The checkpoint to resume: the one ``latest`` names when it verifies, even where a higher-numbered one exists (an
+    operator's copy or a planted directory does not win over it; FleetCheckpoint sets such directories aside at its next
+    commit); else the newest that verifies. Every skip is logged."""
+    found = committed(dirpath)
+    name = read_latest(dirpath, log)
+    tried: Path | None = None
+    if name is not None and (dirpath / name) in found:
+        tried = dirpath / name
+        verdict = verify(tried)
+        if verdict.ok:
+            higher = [p.name for p in found if (step_of(p.name) or 0) > (step_of(name) or 0)]
+            if higher:
+                log(f"lightning_fleet: resuming {tried}, which '{dirpath / LATEST}' names, not the higher-numbered "
+                    f"{', '.join(higher)} (not written as this directory's newest; set aside at the next commit)")
+            return verdict
+        log(f"lightning_fleet: skipping checkpoint {tried}, which '{dirpath / LATEST}' names: {verdict.reason}")
+    elif name is not None:
+        log(f"lightning_fleet: '{dirpath / LATEST}' points to {name!r}, which does not exist; scanning for the newest "
+            "verified checkpoint")
+    elif found and not os.path.lexists(dirpath / LATEST):
+        log(f"lightning_fleet: '{dirpath / LATEST}' is missing; scanning for the newest verified checkpoint")
+    for candidate in found:
+        if candidate == tried:
+            continue
         verdict = verify(candidate)
         if verdict.ok:
             return verdict
@@ -120,89 +179,125 @@ def set_aside(dirpath: Path, checkpoint: Path) -> Path:
     while target.exists():
         target, n = target_dir / f"{checkpoint.name}.{n}", n + 1
     checkpoint.rename(target)
-    hint = dirpath / LATEST
-    if hint.is_file() and hint.read_text().strip() == checkpoint.name:
-        hint.unlink()
+    if read_latest(dirpath, log=lambda line: None) == checkpoint.name:
+        (dirpath / LATEST).unlink()
     fsync_path(dirpath)
     return target
 
 
-def remove_abandoned(dirpath: Path) -> None:
-    """Delete temporary directories of saves that never committed."""
+def set_aside_newer(dirpath: Path, step: int, log: Callable[[str], None] = print) -> list[Path]:
+    """Set aside every committed checkpoint numbered above ``step``, the one just committed as the newest: a copy or a
+    planted directory there would otherwise be resumed or kept by pruning instead of this job's own. Never deletes."""
+    moved = []
+    for newer in committed(dirpath):
+        if (step_of(newer.name) or 0) > step:
+            moved.append(set_aside(dirpath, newer))
+            log(f"lightning_fleet: {newer} is numbered above step {step}, this job's newest checkpoint; moved to {moved[-1]}")
+    return moved
+
+
+class DirectoryLock(Protocol):
+    """What :func:`remove_abandoned` reads of a directory's lock (:class:`lightning_fleet.elastic.lock.DirLock`)."""
+
+    held: bool
+    directory: Path
+
+
+def remove_abandoned(dirpath: Path, lock: DirectoryLock) -> None:
+    """Delete temporary directories of saves that never committed; only while ``lock`` holds the directory (another
+    job's save in progress is never one of them)."""
+    if not lock.held or lock.directory.resolve() != dirpath.resolve():
+        raise FleetError(f"removing abandoned saves in {dirpath} needs its lock (held: {lock.held}, lock of {lock.directory})")
     if dirpath.is_dir():
         for tmp in dirpath.glob(ABANDONED_GLOB):
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-# --- refusing pickles that would run code --------------------------------------------------------
-
-SAFE_GLOBALS = {
-    "collections.OrderedDict",
-    "collections.defaultdict",
-    "builtins.set",
-    "builtins.frozenset",
-    "builtins.slice",
-    "torch._utils._rebuild_tensor_v2",
-    "torch._utils._rebuild_parameter",
-    "torch._tensor._rebuild_from_type_v2",
-    "torch.Tensor",
-    "torch.Size",
-    "torch.device",
-    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
-    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
-    "deepspeed.runtime.zero.config.ZeroStageEnum",
-    "deepspeed.utils.tensor_fragment.fragment_address",
-    "argparse.Namespace",
-    "pathlib.PosixPath",
-    "pathlib.PurePosixPath",
-}
-"""Globals a checkpoint pickle may import: tensor rebuilding, plain containers, and the few classes
-DeepSpeed stores (measured on its ZeRO 0-3, tensor- and pipeline-parallel checkpoints), plus the
-standard-library values hyper-parameters commonly hold (LightningCLI paths: a path unpickles as
-``PosixPath(*parts)``, string parsing only). Anything else (os.system, subprocess, eval,
-builtins.exec, ...) is refused before the file is unpickled."""
-
-_SAFE_PATTERN = re.compile(r"^torch\.(\w+Storage|float\d*|bfloat16|half|double|int\d+|uint8|bool|long)$")
+def directory_bytes(root: Path) -> int:
+    """Bytes of the regular files below ``root`` (symbolic links not followed)."""
+    total = 0
+    for folder, _, names in os.walk(root):
+        for name in names:
+            info = os.lstat(os.path.join(folder, name))
+            total += info.st_size if stat.S_ISREG(info.st_mode) else 0
+    return total
 
 
-def pickle_globals(data: bytes) -> set[str]:
-    """Every module.name a pickle stream would import, found without executing it."""
-    found: set[str] = set()
-    strings: list[str] = []
-    for opcode, arg, _ in pickletools.genops(data):
-        if opcode.name in ("SHORT_BINUNICODE", "BINUNICODE", "UNICODE", "BINUNICODE8"):
-            strings.append(arg)
-        elif opcode.name == "GLOBAL":
-            module, name = arg.split(" ", 1)
-            found.add(f"{module}.{name}")
-        elif opcode.name == "STACK_GLOBAL" and len(strings) >= 2:
-            found.add(f"{strings[-2]}.{strings[-1]}")
-    return found
-
-
-def torch_file_globals(path: Path) -> set[str]:
-    """Globals of a torch.save file (zip with data.pkl) or of a raw pickle file."""
-    if zipfile.is_zipfile(path):
-        with zipfile.ZipFile(path) as archive:
-            return set().union(*(pickle_globals(archive.read(n)) for n in archive.namelist() if n.endswith(".pkl")))
-    return pickle_globals(path.read_bytes())
-
-
-def refuse_unsafe_pickles(root: Path) -> None:
-    """Raise FleetError if any .pt file below ``root`` would import a global outside the allowlist."""
-    for path in sorted(root.rglob("*.pt")):
+def probe_writable(dirpath: Path) -> str:
+    """'' when a file can be created, written, fsynced and removed in ``dirpath``, else what failed (the OS's words)."""
+    probe = dirpath / f"{PROBE_PREFIX}{os.getpid()}"
+    step = "create"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         try:
-            imports = torch_file_globals(path)
-        except Exception as err:  # a file that is not a pickle at all
-            raise FleetError(f"checkpoint file {path} is not a readable torch file ({type(err).__name__}); refusing to load it") from None
-        unsafe = sorted(g for g in imports if g not in SAFE_GLOBALS and not _SAFE_PATTERN.match(g))
-        if unsafe:
-            raise FleetError(f"checkpoint file {path} would import {', '.join(unsafe)} when loaded; refusing it (the payload was not run)")
+            step = "write"
+            os.write(fd, b"lightning_fleet probe\n" * 64)
+            step = "fsync"
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        step = "remove"
+        os.unlink(probe)
+    except OSError as err:
+        if step != "create":
+            try:
+                os.unlink(probe)
+            except OSError:
+                pass
+        return f"cannot {step} a file there ({err.strerror})"
+    return ""
+
+
+# --- who may write a checkpoint directory, and its derived forms ---------------------------------------------
+
+
+def check_private(directory: Path) -> None:
+    """FleetError unless ``directory`` is a real directory owned by this process's user and writable by nobody else: a
+    checkpoint another local user can write could be replaced by theirs (a planted higher step, changed weights). A
+    missing directory passes (the first save creates it privately)."""
+    try:
+        info = os.lstat(directory)
+    except FileNotFoundError:
+        return
+    except OSError as err:
+        raise FleetError(f"checkpoint directory {directory} cannot be examined ({err.strerror})") from None
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+        kind = "a symbolic link" if stat.S_ISLNK(info.st_mode) else "not a directory"
+        raise FleetError(f"checkpoint directory {directory} is {kind}: give the real directory's path")
+    me = os.geteuid()
+    if info.st_uid != me:
+        raise FleetError(
+            f"checkpoint directory {directory} belongs to uid {info.st_uid}, but this job runs as uid {me}: another user could "
+            "have put checkpoints there; use a directory of your own (or chown it after checking what it holds)"
+        )
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        who = "everyone" if info.st_mode & stat.S_IWOTH else "its group"
+        raise FleetError(
+            f"checkpoint directory {directory} is writable by {who} (mode {stat.S_IMODE(info.st_mode):o}): another user could "
+            f"plant a checkpoint there; run chmod go-w {directory}"
+        )
+
+
+def make_private_dir(directory: Path) -> None:
+    """Create ``directory`` (and its parents) writable by this user only, whatever the umask; then :func:`check_private`."""
+    directory.mkdir(parents=True, exist_ok=True, mode=0o755)
+    check_private(directory)
+
+
+def list_derived(step_dir: Path, manifest: Manifest, name: str) -> Manifest:
+    """Add the derived form ``step_dir/name`` (complete, fsynced) to the step's manifest: hash its files and replace the
+    manifest atomically. Returns the new manifest; until it is written the form is not listed and never loaded."""
+    table = file_table(step_dir / name)
+    files = {**{k: v for k, v in manifest.files.items() if not k.startswith(f"{name}/")}, **{f"{name}/{k}": v for k, v in table.items()}}
+    listed = replace(manifest, files=files)
+    write_atomic(step_dir / MANIFEST, listed.to_json())
+    return listed
 
 
 @dataclass(frozen=True, slots=True)
 class VerifiedCheckpoint:
-    """A committed checkpoint whose files matched its manifest and whose pickles were screened: safe to load."""
+    """A committed checkpoint whose files matched its manifest: what a fit continues (read with the restricted
+    unpickler, each file checked against ``manifest`` again as it is read)."""
 
     path: Path
     """The step directory."""
@@ -211,9 +306,8 @@ class VerifiedCheckpoint:
 
 
 def accept(verdict: Verdict) -> VerifiedCheckpoint:
-    """An ok verdict's checkpoint after screening its pickles (no file is hashed again); FleetError naming the reason
-    for a verdict that is not ok, or the first pickle that would import a global outside the allowlist."""
+    """An ok verdict's checkpoint (no file is hashed again; its files are unpickled only by the restricted unpickler,
+    :mod:`lightning_fleet.elastic.safe_load`); FleetError naming the reason for a verdict that is not ok."""
     if not verdict.ok or verdict.manifest is None:
         raise FleetError(f"checkpoint {verdict.path} cannot be used: {verdict.reason}")
-    refuse_unsafe_pickles(verdict.path)
     return VerifiedCheckpoint(verdict.path, verdict.manifest)

@@ -7,7 +7,8 @@ same data-order seed. Anything else (a changed model pointed at an old ``checkpo
 ``seed_everything``) would crash deep inside DeepSpeed at every restart, or silently read samples
 twice; instead the difference is named in one line before anything is loaded.
 
-Imports torch (to read a module's state_dict), the pure checkpoint layout and the checkpoint files' helpers; imported
+Imports torch (to read a module's state_dict), the pure checkpoint layout, the checkpoint files' helpers and the
+restricted unpickler; imported
 by the strategy (which runs :func:`checkpoint_to_continue` on rank 0 and hands its answer to the decision).
 """
 
@@ -19,8 +20,9 @@ from pathlib import Path
 
 import torch
 
-from lightning_fleet.elastic.checkpoint import VerifiedCheckpoint, accept, committed, newest_verified, set_aside
+from lightning_fleet.elastic.checkpoint import VerifiedCheckpoint, accept, check_private, committed, newest_verified, set_aside
 from lightning_fleet.elastic.layout import MANIFEST, Manifest, ModelFacts, TensorFact, Verdict, verify
+from lightning_fleet.elastic.safe_load import unpickles
 from lightning_fleet.planning import FleetError
 
 RESUME_POLICIES = ("auto", "if_compatible", "never")
@@ -76,20 +78,30 @@ def checkpoint_to_continue(
 ) -> VerifiedCheckpoint | None:
     """The FleetCheckpoint step a fit continues: ``requested`` (the fit's ``ckpt_path``) when it is one, else the newest
     verified one of this job in ``directory`` as ``policy`` says (setting aside what it says to). Its files are hashed
-    against the manifest and its pickles screened here, once, before anything is unpickled. None: start fresh (or
-    ``requested`` is not a FleetCheckpoint step: a plain ``trainer.save_checkpoint`` dir, screened when loaded).
+    against the manifest here, once, and unpickled by the restricted unpickler (memory-mapped) before any rank loads
+    its part; a directory others could write is refused. None: start fresh (or
+    ``requested`` is not a FleetCheckpoint step: a plain ``trainer.save_checkpoint`` dir, loaded by the restricted unpickler).
     Run on one rank (it may move directories)."""
     if requested is not None:
         if not (requested / MANIFEST).is_file():
             return None
+        check_private(requested)
         verdict = verify(requested)
         if verdict.ok and verdict.manifest is not None and (why := incompatibility(verdict.manifest, facts)):
             raise FleetError(f"checkpoint {requested} cannot be resumed by this job: {why}")
-        return accept(verdict)
+        return _loadable(accept(verdict))
     if directory is None:
         return None
+    check_private(directory)
     verdict = _newest_compatible(directory, facts, policy)
-    return accept(verdict) if verdict is not None else None
+    return _loadable(accept(verdict)) if verdict is not None else None
+
+
+def _loadable(checkpoint: VerifiedCheckpoint) -> VerifiedCheckpoint:
+    """The checkpoint, once every file of it unpickles with the restricted unpickler (FleetError naming the first that
+    does not: then no rank starts loading its part)."""
+    unpickles(checkpoint.path, checkpoint.manifest.files)
+    return checkpoint
 
 
 def _newest_compatible(directory: Path, facts: JobFacts, policy: str) -> Verdict | None:

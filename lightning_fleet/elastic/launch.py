@@ -12,9 +12,15 @@ adds, unless given:
   job works either way: the worker opens its process group on a store prefix of its own attempt, see
   :mod:`lightning_fleet.elastic.worker`).
 
-Bad values are one line and exit code 2 (torchrun's own parser decides what is valid); ``fleet launch --help``
+Bad values are one line and exit code 2 before torchrun starts: torchrun's own parser decides what is valid (reading
+integers in ASCII digits only), and what it would refuse only after starting is checked first (node and process
+counts, --rdzv-conf and --rdzv-endpoint values, ports, timeouts, output filters, a training script that does not
+exist; :func:`check_arguments`, :func:`check_script`); ``fleet launch --help``
 prints these defaults and torchrun's help. A worker that ends the job for a deterministic FleetError (its line
-printed by rank 0) stops the agent; ``fleet launch`` then exits 2 without a line of its own.
+printed by rank 0) stops the agent; ``fleet launch`` then exits 2 without a line of its own. When restarts are used up,
+one line names the first failed rank, its exit code or signal and its root-cause message (torchrun's own last line is
+a separator). SIGTERM to the launcher (a scheduler's preemption) is forwarded to the workers by torchrun; when every
+worker then exits 0 (FleetCheckpoint saved and stopped them), ``fleet launch`` exits 0, not torchrun's 1.
 
 A wrong endpoint is one line and a bounded wait, never a hang (measured with torchrun alone: an
 unroutable host took 158 s and printed C++ stack traces; a port that accepts connections but is
@@ -28,25 +34,41 @@ imported by the CLI only.
 
 from __future__ import annotations
 
+import math
 import os
+import re
+import shutil
+import signal
 import socket
 import tempfile
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Iterator, Sequence
 
 from lightning_fleet.elastic.worker import EXIT_CODE, STOP_FILE_ENV
 from lightning_fleet.planning import FleetError
+from lightning_fleet.planning.cluster import MAX_WORLD_SIZE
+from lightning_fleet.planning.yamlspec import ascii_int, shown
 
 RDZV_DEFAULTS = {"last_call_timeout": "1", "keep_alive_interval": "1", "keep_alive_max_attempt": "3", "join_timeout": "120"}
 TORCHRUN_READ_TIMEOUT_S = 60
 """torchrun's c10d store timeout when ``--rdzv-conf read_timeout`` is not given."""
 MIN_KEEP_ALIVE_ATTEMPTS = 3
+_CAUSE_CHARS = 500  # the most of a worker's root-cause message in fleet launch's line
 
 
 _FLAGS = {"--standalone", "--no-python", "--no_python", "--run-path", "--run_path", "-m", "--module", "-h", "--help"}
 _NPROC_WORDS = ("auto", "cpu", "gpu", "xpu")
+MAX_NPROC_PER_NODE = 1024
+"""Most processes fleet launches (or fleet calibrate measures) on one machine: a node has at most a few hundred cores or
+a few dozen accelerators; torchrun given 10**30 allocated memory until it was killed (measured: 3.9 GB in 60 s)."""
+MAX_WAIT_S = 7 * 24 * 3600
+"""Longest timeout or interval accepted (a week): torch turns them into timedelta and C++ durations, which overflow."""
+_RDZV_SECONDS = ("join_timeout", "last_call_timeout", "close_timeout", "heartbeat_timeout", "read_timeout", "timeout")
+_RDZV_COUNTS = ("keep_alive_interval", "keep_alive_max_attempt")
+"""The --rdzv-conf keys torch reads as integers (torch.distributed.elastic.rendezvous: get_as_int), all positive."""
 _NO_SCRIPT = "fleet launch needs a training script, e.g. fleet launch --nproc-per-node=2 train.py"
 
 
@@ -98,23 +120,49 @@ def torchrun_argv(argv: Sequence[str]) -> list[str]:
 def _endpoint(argv: Sequence[str]) -> tuple[str, int | None] | None:
     """(host, port) of ``--rdzv-endpoint`` if given (port None when left out)."""
     endpoint = _option(_parse_options(list(argv))[0], "rdzv-endpoint")
-    if endpoint is None or not endpoint[1]:
+    return _split_endpoint(endpoint[1]) if endpoint is not None else None
+
+
+def _split_endpoint(text: str) -> tuple[str, int | None] | None:
+    """``host[:port]`` or ``[IPv6]:port`` as torch reads it (torch.distributed.elastic.rendezvous.utils
+    .parse_rendezvous_endpoint), None when empty; FleetError for a port that is not 0-65535 or a host that is not
+    ASCII letters, digits, '.', ':', '-' and '_'."""
+    text = text.strip()
+    if not text:
         return None
-    text = endpoint[1]
-    if text.startswith("["):  # [IPv6]:port
-        host, _, rest = text[1:].partition("]")
-        port = rest[1:]
-    elif text.count(":") == 1:
-        host, port = text.split(":")
+    if text[0] == "[" and text[-1] == "]" or ":" not in text:
+        host, port_text = text, None
     else:
-        host, port = text, ""
-    return host, int(port) if port.isdigit() else None
+        host, port_text = text.rsplit(":", 1)
+    host = host[1:-1] if len(host) > 1 and host[0] == "[" and host[-1] == "]" else host
+    if port_text is not None and not (re.fullmatch("[0-9]{1,5}", port_text) and int(port_text) < 2**16):
+        raise FleetError(f"fleet launch: --rdzv-endpoint={shown(text)}: the port must be an integer from 0 to 65535")
+    if not re.fullmatch(r"[A-Za-z0-9_.:-]+", host):
+        raise FleetError(f"fleet launch: --rdzv-endpoint={shown(text)}: the host must be a host name, an IPv4 address or "
+                         "an [IPv6] address")
+    return host, None if port_text is None else int(port_text)
 
 
 def _rdzv_conf(parsed: list[tuple[int, str, str, int]]) -> dict[str, str]:
     """The key=value pairs of ``--rdzv-conf`` (empty when not given)."""
     conf = _option(parsed, "rdzv-conf")
-    return dict(item.split("=", 1) for item in conf[1].split(",") if "=" in item) if conf else {}
+    return _conf_pairs(conf[1]) if conf else {}
+
+
+def _conf_pairs(text: str) -> dict[str, str]:
+    """``key=value,...`` as torch reads it (rendezvous.utils._parse_rendezvous_config: a key and a value in each item),
+    with the integer keys checked (ASCII digits, 1 to a week); FleetError naming the item otherwise."""
+    pairs: dict[str, str] = {}
+    text = text.strip()
+    for item in text.split(",") if text else []:
+        key, eq, value = (part.strip() for part in item.partition("="))
+        if not key or not eq or not value:
+            raise FleetError(f"fleet launch: --rdzv-conf item {shown(item)} is not key=value (write e.g. "
+                             "--rdzv-conf join_timeout=300,read_timeout=60)")
+        if key in _RDZV_SECONDS or key in _RDZV_COUNTS:
+            _bounded(f"--rdzv-conf {key}", value, low=1, high=MAX_WAIT_S)
+        pairs[key] = value
+    return pairs
 
 
 def _rdzv_seconds(argv: Sequence[str], key: str, default: int) -> int:
@@ -123,14 +171,50 @@ def _rdzv_seconds(argv: Sequence[str], key: str, default: int) -> int:
 
 def _integer(name: str, text: str) -> int:
     try:
-        return int(text)
-    except ValueError:
-        raise FleetError(f"{name}={text!r}: expected an integer") from None
+        return ascii_int(text)
+    except ValueError as err:
+        raise FleetError(f"{name}={shown(text)}: expected an integer ({err})") from None
+
+
+def _bounded(name: str, text: str, *, low: int, high: int) -> int:
+    """``text`` as an integer from ``low`` to ``high`` (ASCII digits), or one FleetError line."""
+    value = _integer(name, text)
+    if not low <= value <= high:
+        raise FleetError(f"fleet launch: {name}={value}: expected an integer from {low} to {high:,}")
+    return value
 
 
 def check_arguments(argv: Sequence[str]) -> None:
-    """Refuse what torchrun would refuse (its own parser decides), and the node and process counts it would only
-    reject after starting, each as one FleetError line."""
+    """Refuse what torchrun would refuse (its own parser decides, with integers and numbers in ASCII digits only), and
+    what it would only reject after starting (node and process counts, --rdzv-conf, --rdzv-endpoint, ports, timeouts,
+    output filters), each as one FleetError line."""
+    args = _parsed(argv)
+    _check_nnodes(args.nnodes)
+    _check_nproc(args.nproc_per_node)
+    _check_numbers(args)
+    _conf_pairs(args.rdzv_conf)
+    _split_endpoint(args.rdzv_endpoint)
+    _check_output_options(args)
+
+
+def check_script(argv: Sequence[str]) -> None:
+    """Refuse a training script that does not exist (a path; with --no-python a command on PATH; -m names a module and
+    is left to Python) before torchrun starts workers that would fail on it and be restarted."""
+    args = _parsed(argv)
+    script = args.training_script
+    if args.module:
+        return
+    if args.no_python:
+        if shutil.which(script) is None:
+            raise FleetError(f"fleet launch: --no-python {shown(script, 200)}: no such executable (a path, or a command on PATH)")
+    elif not (os.path.isfile(script) or os.path.isfile(os.path.join(script, "__main__.py"))):
+        raise FleetError(f"fleet launch: training script {shown(script, 200)} does not exist: give the path of a Python script "
+                         "(or -m module.name)")
+
+
+def _parsed(argv: Sequence[str]) -> Any:
+    """torchrun's own parser on ``argv``, reading integers and numbers in ASCII digits only (``int()`` takes '١٢');
+    its errors as one FleetError line."""
     from torch.distributed.run import get_args_parser
 
     parser = get_args_parser()
@@ -141,13 +225,85 @@ def check_arguments(argv: Sequence[str]) -> None:
         raise FleetError(f"fleet launch: {message}")
 
     parser.error = refuse  # type: ignore[method-assign]
-    args = parser.parse_args(list(argv))
-    low, _, high = args.nnodes.partition(":")
-    if not low.isdigit() or (high and not high.isdigit()) or args.nnodes.count(":") > 1:
-        raise FleetError(f"fleet launch: --nnodes={args.nnodes}: expected N or MIN:MAX (integers)")
-    if not (args.nproc_per_node.isdigit() or args.nproc_per_node in _NPROC_WORDS):
+    for action in parser._actions:
+        if action.type is int:
+            action.type = _int_option
+        elif action.type is float:
+            action.type = _number_option
+    return parser.parse_args(list(argv))
+
+
+def _int_option(text: str) -> int:
+    return ascii_int(text)
+
+
+def _number_option(text: str) -> float:
+    if not re.fullmatch(r"[0-9]*\.?[0-9]+([eE][+-]?[0-9]+)?|[0-9]+\.", text) or not math.isfinite(float(text)):
+        raise ValueError(text)
+    return float(text)
+
+
+_int_option.__name__, _number_option.__name__ = "int", "float"  # argparse's "invalid int value: '١'"
+
+
+def _clip(text: str) -> str:
+    """An option's value as given, or :func:`shown` (quoted, bounded) when it is long."""
+    return text if len(text) <= 40 and text.isprintable() else shown(text)
+
+
+def _check_nnodes(text: str) -> None:
+    """--nnodes: N or MIN:MAX, 1 <= MIN <= MAX <= MAX_WORLD_SIZE (torchrun asserts only after it started)."""
+    parts = text.split(":")
+    if len(parts) > 2 or not all(re.fullmatch("[0-9]{1,18}", part) for part in parts):
+        raise FleetError(f"fleet launch: --nnodes={_clip(text)}: expected N or MIN:MAX (integers)")
+    low, high = int(parts[0]), int(parts[-1])
+    if not 1 <= low <= high <= MAX_WORLD_SIZE:
+        raise FleetError(f"fleet launch: --nnodes={text}: expected 1 <= N (or MIN <= MAX) <= {MAX_WORLD_SIZE:,}")
+
+
+def _check_nproc(text: str) -> None:
+    """--nproc-per-node: 1 to MAX_NPROC_PER_NODE, or a word torch resolves here (gpu without CUDA is refused now)."""
+    if text in _NPROC_WORDS:
+        from torch.distributed.run import determine_local_world_size
+
+        try:
+            determine_local_world_size(text)
+        except ValueError as err:
+            raise FleetError(f"fleet launch: --nproc-per-node={text}: {err}") from None
+        return
+    if not re.fullmatch("[0-9]{1,18}", text):
         words = ", ".join(_NPROC_WORDS)
-        raise FleetError(f"fleet launch: --nproc-per-node={args.nproc_per_node}: expected an integer or one of {words}")
+        raise FleetError(f"fleet launch: --nproc-per-node={_clip(text)}: expected an integer or one of {words}")
+    if not 1 <= int(text) <= MAX_NPROC_PER_NODE:
+        raise FleetError(f"fleet launch: --nproc-per-node={text}: expected 1 to {MAX_NPROC_PER_NODE} processes on this machine")
+
+
+def _check_numbers(args: Any) -> None:
+    """The integer and number options torchrun takes as they come (it asserts max_restarts >= 0 only after starting)."""
+    ranges = {"max_restarts": (0, 10**6), "node_rank": (0, MAX_WORLD_SIZE - 1), "master_port": (0, 2**16 - 1),
+              "shutdown_timeout": (0, MAX_WAIT_S)}
+    for name, (low, high) in ranges.items():
+        value = getattr(args, name, None)
+        if value is not None and not low <= value <= high:
+            raise FleetError(f"fleet launch: --{name.replace('_', '-')}={value}: expected an integer from {low} to {high:,}")
+    if not 0 < args.monitor_interval <= MAX_WAIT_S:
+        raise FleetError(f"fleet launch: --monitor-interval={args.monitor_interval:g}: expected seconds > 0 and <= {MAX_WAIT_S}")
+
+
+def _check_output_options(args: Any) -> None:
+    """--local-ranks-filter (comma-separated ranks) and --redirects/--tee (torch's Std.from_str), which torchrun reads
+    only after it started."""
+    from torch.distributed.elastic.multiprocessing import Std
+
+    if args.local_ranks_filter and not re.fullmatch("[0-9]{1,7}(,[0-9]{1,7})*", args.local_ranks_filter):
+        filters = shown(args.local_ranks_filter)
+        raise FleetError(f"fleet launch: --local-ranks-filter={filters}: expected local ranks such as 0,1,2")
+    for name in ("redirects", "tee"):
+        try:
+            Std.from_str(getattr(args, name))
+        except ValueError:
+            raise FleetError(f"fleet launch: --{name}={shown(getattr(args, name))}: expected 0-3, or local_rank:0-3 pairs such "
+                             "as 0:3,1:0") from None
 
 
 def help_text() -> str:
@@ -239,13 +395,14 @@ def _watch_first_rendezvous(argv: Sequence[str]) -> None:
 
 def launch(argv: Sequence[str]) -> int:
     """Run torch.distributed.run with the fleet defaults; returns its exit code (2 when a worker ended the job for a
-    deterministic FleetError, whose line rank 0 printed)."""
+    deterministic FleetError, whose line rank 0 printed; 0 after a SIGTERM that every worker answered by exiting 0)."""
     if _wants_help(argv):
         print(help_text(), end="")
         return 0
     check_arguments(argv)
     args = torchrun_argv(argv)
     check_endpoint(argv)
+    check_script(argv)
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     _watch_first_rendezvous(args)
     with tempfile.TemporaryDirectory(prefix="fleet-launch-") as tmp:
@@ -258,17 +415,94 @@ def launch(argv: Sequence[str]) -> int:
 
 
 def _run_torchrun(args: list[str], stop_file: Path) -> int:
+    """torchrun's main in this process; its failures as one line and an exit code (see :func:`launch`)."""
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
-    try:
-        torchrun_main(args)
-    except SystemExit as stop:
-        return int(stop.code or 0)
-    except Exception as err:  # torchrun's ChildFailedError and rendezvous errors: report, don't dump a traceback
-        if stop_file.exists():
-            return EXIT_CODE  # a worker stopped the agent for a deterministic FleetError; rank 0 printed its line
-        name = type(err).__name__
-        first = str(err).strip().splitlines()
-        print(f"fleet launch: {name}: {first[0] if first else ''}", flush=True)
-        return 1
+    with _worker_exits() as exits:
+        try:
+            torchrun_main(args)
+        except SystemExit as stop:
+            return int(stop.code or 0)
+        except Exception as err:  # torchrun's ChildFailedError, SignalException, rendezvous errors: a line, no traceback
+            if stop_file.exists():
+                return EXIT_CODE  # a worker stopped the agent for a deterministic FleetError; rank 0 printed its line
+            if isinstance(err, ChildFailedError):
+                print(root_cause_line(err), flush=True)
+                return 1
+            if isinstance(err, SignalException):
+                return _stopped_by_signal(err.sigval, exits[-1] if exits else {})
+            first = str(err).strip().splitlines()
+            print(f"fleet launch: {type(err).__name__}: {first[0] if first else ''}", flush=True)
+            return 1
     return 0
+
+
+def root_cause_line(error: Any) -> str:
+    """One line for torchrun's ChildFailedError (restarts used up): the first failed rank, how it ended (exit code or
+    signal) and the root-cause message from its error file (the worker's hook writes one, lightning_fleet.elastic.worker;
+    torch's ``@record`` does too), instead of the first line of torchrun's table (a separator of '='). The ranks the agent
+    stopped after it are in torchrun's table above."""
+    rank, failure = error.get_first_failure()
+    how = f"was killed by {failure.signal_name()}" if failure.exitcode < 0 else f"exited with code {failure.exitcode}"
+    message = failure.message.get("message", "") if isinstance(failure.message, dict) else failure.message
+    cause = " ".join(str(message).split()) if os.path.isfile(failure.error_file) else ""
+    if not cause and failure.exitcode > 0:
+        cause = "it left no error file; its traceback is in the output above"
+    who = f"rank {rank} (local rank {failure.local_rank}, pid {failure.pid})"
+    line = f"fleet launch: the job failed, restarts used up: {who} {how}"
+    return f"{line}: {cause[:_CAUSE_CHARS]}" if cause else line
+
+
+def _stopped_by_signal(sigval: Any, exits: dict[int, int | None]) -> int:
+    """The exit code after torchrun's agent got ``sigval`` and stopped its workers (their exit codes by local rank): 0
+    for a SIGTERM (a scheduler's preemption) after which every worker exited 0 (FleetCheckpoint saved and stopped them),
+    else 1, with one line either way."""
+    name = getattr(sigval, "name", str(sigval))
+    if sigval == signal.SIGTERM and exits and all(code == 0 for code in exits.values()):
+        print(f"fleet launch: stopped by SIGTERM; all {len(exits)} local workers exited 0 (a FleetCheckpoint saves the step they "
+              "stopped at: relaunch to resume from it)", flush=True)
+        return 0
+    failed = {rank: code for rank, code in exits.items() if code != 0}
+    if failed:
+        ends = ", ".join(f"local rank {rank}: {_ending(code)}" for rank, code in sorted(failed.items()))
+    else:
+        ends = f"all {len(exits)} local workers exited 0" if exits else "no workers were running"
+    print(f"fleet launch: stopped by {name}; {ends}", flush=True)
+    return 1
+
+
+def _ending(code: int | None) -> str:
+    """How a worker process ended, from its return code (negative: a signal)."""
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+@contextmanager
+def _worker_exits() -> Iterator[list[dict[int, int | None]]]:
+    """Each time torchrun's agent (in this process) closes its workers, their return codes by local rank; torch keeps
+    them in its process context only (torch.distributed.elastic.multiprocessing.api ``SubprocessContext``)."""
+    from torch.distributed.elastic.multiprocessing.api import PContext
+
+    exits: list[dict[int, int | None]] = []
+    original = PContext.close
+
+    def close(self: Any, death_sig: Any = None, timeout: int = 30) -> None:
+        try:
+            original(self, death_sig, timeout)
+        finally:
+            handlers = getattr(self, "subprocess_handlers", None) or {}
+            exits.append({rank: handler.proc.poll() for rank, handler in handlers.items()})
+
+    PContext.close = close  # type: ignore[method-assign]
+    try:
+        yield exits
+    finally:
+        PContext.close = original  # type: ignore[method-assign]

@@ -7,8 +7,10 @@ the strategy, the decision, the DeepSpeed runtime's save/load/reshard and export
 The tree under a ``FleetCheckpoint(dirpath)``::
 
     <dirpath>/
-        latest                        name of the newest committed step dir; a hint, never trusted
-                                      (elastic/callback.py FleetCheckpoint._commit, rank 0)
+        latest                        name of the newest committed step dir (elastic/callback.py FleetCheckpoint._commit,
+                                      rank 0): resumed when it is a small regular file naming a step dir that verifies
+        .fleet-lock                   the job that owns the directory: host, pid, run id, heartbeat (elastic/lock.py)
+        .fleet-lock.guard             its record lock, serialising who takes the lock over (never deleted)
         step-000000012/               a committed checkpoint: the temporary dir renamed into place (_commit, rank 0)
             manifest.json             written last, by rank 0: the :class:`Manifest` (format, step, world size, plan,
                                       global batch, model structure, data-order seed, every file's bytes and sha256)
@@ -18,25 +20,29 @@ The tree under a ``FleetCheckpoint(dirpath)``::
                 checkpoint/               DeepSpeed's shards under the tag Lightning saves with (:data:`TAG`)
                 fleet_layout.json         how to rebuild full weights offline (runtime.deepspeed.weights, rank 0)
                 fleet_unstaged.pt         pipeline plans only: tensors no pipeline layer holds (runtime.deepspeed.weights, rank 0)
-            universal/                DeepSpeed's universal form for resharding, written after the commit and so not
-                                      in the manifest (runtime/deepspeed/universal.make_universal, rank 0):
-                .complete                 written last: the conversion finished
-                latest_universal          DeepSpeed's pointer to the universal tag
+            universal/                DeepSpeed's universal form for resharding, written after the commit
+                                      (runtime/deepspeed/universal.make_universal, rank 0) and then added to the
+                                      manifest (atomically, by rename): until it is listed there it is never loaded
+                latest_universal          DeepSpeed's pointer to the universal tag (never read: the tag is passed)
                 checkpoint/               per-parameter fp32 weights and optimizer moments
             .tmp-universal/           a conversion in progress (replaced by the next one)
         .tmp-step-000000015/          a save in progress: never resumed, removed by the next save
-        set-aside/                    checkpoints moved out of the way (resume='if_compatible'/'never'): never resumed or
-                                      pruned
+        set-aside/                    checkpoints moved out of the way (resume='if_compatible'/'never', a step dir newer
+                                      than the one just committed, one replaced at the same step): never resumed or pruned
 
-A checkpoint counts only if :func:`verify` accepts it: its manifest parses into a :class:`Manifest` and every file
-it lists is there with its size and sha256.
+A checkpoint counts only if :func:`verify` accepts it: the step dir is a real directory (not a symbolic link), its
+manifest parses into a :class:`Manifest` whose step is the one the directory is named after, the files below it are
+exactly those the manifest lists (no symbolic link, FIFO or other non-regular file anywhere; nothing unlisted but a
+derived form not yet listed, which is never loaded), and every listed file has its size and sha256.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, Mapping
@@ -53,6 +59,14 @@ TMP_PREFIX = ".tmp-"
 """A directory being written under its final name with this prefix; renamed into place when complete."""
 ABANDONED_GLOB = f"{TMP_PREFIX}{STEP_PREFIX}*"
 """Glob of temporary step dirs in the checkpoint directory (saves that never committed)."""
+LOCK = ".fleet-lock"
+"""The lock file in a checkpoint directory: the job that owns it (host, pid, run id, heartbeat; elastic/lock.py), as
+JSON padded with spaces to a fixed size."""
+GUARD = ".fleet-lock.guard"
+"""An empty file in a checkpoint directory whose record lock serialises every decision about :data:`LOCK` (never
+deleted)."""
+PROBE_PREFIX = ".fleet-probe-"
+"""Name prefix of the file the setup probe creates, writes, fsyncs and removes (elastic/checkpoint.probe_writable)."""
 SET_ASIDE = "set-aside"
 """Subdirectory of a checkpoint dir that holds checkpoints moved out of the way (never resumed, never pruned)."""
 MANIFEST = "manifest.json"
@@ -73,8 +87,6 @@ UNSTAGED = "fleet_unstaged.pt"
 the layers)."""
 UNIVERSAL = "universal"
 """Subdirectory of a step dir holding its universal (layout-free) form, written when resharding."""
-UNIVERSAL_DONE = ".complete"
-"""File written last into ``universal/``: the conversion finished and the folder can be loaded."""
 UNIVERSAL_LATEST = "latest_universal"
 """DeepSpeed's file in ``universal/`` naming the tag it loads with ``load_universal`` (DeepSpeed 0.19.8
 engine.load_checkpoint)."""
@@ -121,6 +133,19 @@ def rank_file(step_dir: Path, rank: int) -> Path:
 def universal_dir(step_dir: Path) -> Path:
     """Where the layout-free (universal) form of a checkpoint lives."""
     return step_dir / UNIVERSAL
+
+
+DERIVED = (UNIVERSAL,)
+"""Subdirectories of a step dir that are written after its commit and listed in its manifest once complete."""
+MAX_MANIFEST_BYTES = 64 * 1024 * 1024
+"""A manifest larger than this is not one FleetCheckpoint wrote (it lists each file in about 150 bytes)."""
+
+
+def derived_listed(manifest: Manifest, name: str) -> bool:
+    """Whether the manifest lists the derived form ``name`` (e.g. :data:`UNIVERSAL`): its files were hashed when it was
+    complete, so it may be loaded."""
+    prefix = f"{name}/"
+    return any(path.startswith(prefix) for path in manifest.files)
 
 
 # --- the manifest -------------------------------------------------------------------------------------------------
@@ -222,6 +247,8 @@ class Manifest:
         unknown or ill-typed field)."""
         try:
             data = json.loads(text)
+        except RecursionError:
+            raise ManifestError("manifest is nested too deeply to be one FleetCheckpoint wrote") from None
         except ValueError as err:  # JSONDecodeError, or bytes that are not UTF-8 (a flipped byte)
             is_json = isinstance(err, json.JSONDecodeError)
             detail = f"{err.msg} at line {err.lineno} column {err.colno}" if is_json else type(err).__name__
@@ -347,18 +374,73 @@ class Verdict:
 
 def verify(step_dir: Path) -> Verdict:
     """Check a checkpoint directory against its manifest, hashing every listed file once; name the first problem."""
-    manifest_path = step_dir / MANIFEST
-    if not manifest_path.is_file():
-        return Verdict(step_dir, False, "no manifest (the save did not finish)", None)
     try:
-        manifest = Manifest.from_json(manifest_path.read_bytes())
+        if stat.S_ISLNK(os.lstat(step_dir).st_mode):
+            return Verdict(step_dir, False, "the checkpoint directory is a symbolic link; only real directories are resumed", None)
+        text = _read_manifest(step_dir / MANIFEST)
+        if text is None:
+            return Verdict(step_dir, False, "no manifest (the save did not finish)", None)
+        manifest = Manifest.from_json(text)
     except ManifestError as err:
         return Verdict(step_dir, False, str(err), None)
+    except OSError as err:
+        return Verdict(step_dir, False, f"cannot read it ({err.strerror})", None)
+    named = step_of(step_dir.name)
+    if named is not None and named != manifest.step:
+        return Verdict(step_dir, False, f"its manifest records step {manifest.step}, not the step {named} it is named after (a copy or a planted directory)", manifest)
+    problem = _tree_problem(step_dir, manifest)
+    if problem:
+        return Verdict(step_dir, False, problem, manifest)
     for name, entry in manifest.files.items():
         problem = _file_problem(step_dir / name, name, entry)
         if problem:
             return Verdict(step_dir, False, problem, manifest)
     return Verdict(step_dir, True, "", manifest)
+
+
+def _read_manifest(path: Path) -> bytes | None:
+    """The manifest's bytes (None when there is none); ManifestError for a symbolic link, a FIFO, a device or a file
+    over :data:`MAX_MANIFEST_BYTES` (never followed, never blocked on, never read whole)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except OSError as err:
+        raise ManifestError(f"manifest cannot be opened ({err.strerror}; a symbolic link is refused)") from None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise ManifestError("manifest is not a regular file")
+        data = f.read(MAX_MANIFEST_BYTES + 1)
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise ManifestError(f"manifest is larger than {MAX_MANIFEST_BYTES} bytes: not one FleetCheckpoint wrote")
+    return data
+
+
+def _tree_problem(step_dir: Path, manifest: Manifest) -> str:
+    """'' when the files below ``step_dir`` are exactly the manifest's (besides the manifest itself, a derived form not
+    yet listed and a conversion in progress), else the first symbolic link, non-regular or unlisted file."""
+    skipped = {tmp_name(name) for name in DERIVED} | {name for name in DERIVED if not derived_listed(manifest, name)}
+    found: set[str] = set()
+    stack = [(step_dir, "")]
+    while stack:
+        directory, prefix = stack.pop()
+        with os.scandir(directory) as entries:
+            for entry in entries:
+                name = prefix + entry.name
+                if not prefix and (entry.name in skipped or entry.name == MANIFEST):
+                    continue
+                if entry.is_symlink():
+                    return f"{name} is a symbolic link; a checkpoint holds only its own files"
+                if entry.is_dir(follow_symlinks=False):
+                    stack.append((Path(entry.path), name + "/"))
+                elif entry.is_file(follow_symlinks=False):
+                    found.add(name)
+                else:
+                    return f"{name} is not a regular file (a FIFO, socket or device); a checkpoint holds only regular files"
+    unlisted = sorted(found - set(manifest.files))
+    if unlisted:
+        return f"file {unlisted[0]} is not listed in the manifest (added after the save)"
+    return ""
 
 
 def _file_problem(path: Path, name: str, entry: FileEntry) -> str:

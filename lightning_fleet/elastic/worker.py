@@ -21,20 +21,30 @@ and whatever the strategy marks with :func:`deterministic`, e.g. an incompatible
 job at once, without spending its restarts: each node's local rank 0 sends SIGTERM to its torchrun agent, which
 stops its workers and exits 1 (``fleet launch`` exits 2).
 
-Imports torch.distributed (at call time) and the planning core's errors; imported by the strategy and elastic/launch.py.
+**No hangs, no orphans.** :func:`die_with_agent` makes a torchrun worker die with its agent (a SIGKILLed agent
+otherwise leaves its workers training unsupervised, their saves racing the relaunch's), :func:`module_command` makes
+a helper subprocess die with its parent, and :func:`strict_sigterm_broadcast` replaces Lightning's per-step SIGTERM
+broadcast, which swallows a timed-out collective, with one that fails the step with :func:`peer_lost`'s line.
+:func:`install_error_hook` also writes torchrun's error file, so that ``fleet launch`` names the root cause.
+
+Imports torch.distributed (at call time) and the planning core's errors; imported by the strategy, elastic/launch.py,
+callback.py and safe_load.py (the error marks), and the DeepSpeed runtime's universal conversion.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
 import sys
 import time
+import traceback as tb
 import uuid
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Iterator, TypeVar
+from typing import Any, Callable, Iterator, TypeVar
 
 from lightning_fleet.planning import FleetError, NoFeasiblePlanError, PlanError, SpecError
 
@@ -50,7 +60,11 @@ _STORE_ROOT = "lightning_fleet/attempt"  # the process group's keys: <root>/<tok
 _HANDSHAKE_ROOT = "lightning_fleet/handshake"  # agreeing on the token: <root>/<token>/w<world>/...
 _LEADER_KEY = f"{_HANDSHAKE_ROOT}/leader"
 _POLL_S = 0.05
+_OWN_LINE = "fleet_own_line"  # a FleetError every rank that meets it reports at once (see peer_lost)
 _parent_at_install: int | None = None
+_PARENT_AT_IMPORT = os.getppid()  # a torchrun worker's agent, observed as early as this package is imported
+PR_SET_PDEATHSIG = 1
+"""prctl(2) option: the signal Linux sends a process when the thread that started it exits (linux/prctl.h)."""
 
 E = TypeVar("E", bound=BaseException)
 
@@ -192,6 +206,103 @@ def _go_or_new_leader(store: Any, token: str, world_size: int, deadline: float) 
     raise FleetError(f"rank 0 of this attempt (token {token!r}) did not start the process group within the process-group timeout")
 
 
+# --- no hangs, no orphans ----------------------------------------------------------------------------
+
+
+def die_with_parent(parent: int, sig: int = signal.SIGKILL) -> bool:
+    """Have Linux send ``sig`` to this process when its parent exits (``prctl(PR_SET_PDEATHSIG)``); False where that is
+    not available (not Linux). When ``parent`` is gone already (this process was re-parented before the call), this
+    process is sent ``sig`` at once: the death signal it asked for would never come."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+        return False
+    if os.getppid() != parent:
+        print(f"lightning_fleet: the process that started this one (PID {parent}) is gone; exiting", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), sig)
+    return True
+
+
+def die_with_agent() -> bool:
+    """Under torchrun or ``fleet launch`` (``TORCHELASTIC_RUN_ID`` set), make this worker die (SIGKILL) with its agent;
+    a SIGKILLed agent otherwise leaves its workers training unsupervised while a relaunch starts new ones (measured: both
+    workers trained on to the end). Not under Lightning's own launcher, where rank 0 is the user's own process."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return False
+    return die_with_parent(_PARENT_AT_IMPORT)
+
+
+_DIE_WITH_PARENT_MAIN = (
+    "import ctypes, os, runpy, signal, sys\n"
+    "parent, module = int(sys.argv[1]), sys.argv[2]\n"
+    f"ctypes.CDLL(None, use_errno=True).prctl({PR_SET_PDEATHSIG}, signal.SIGKILL, 0, 0, 0)\n"
+    "if os.getppid() != parent:\n"
+    "    os.kill(os.getpid(), signal.SIGKILL)\n"
+    "sys.argv = [module, *sys.argv[3:]]\n"
+    "runpy.run_module(module, run_name='__main__', alter_sys=True)\n"
+)
+
+
+def module_command(module: str, *args: str) -> list[str]:
+    """The command line of ``python -m module args`` as a child that dies (SIGKILL) with this process on Linux, so that
+    a kill of this process does not orphan it (measured: DeepSpeed's universal converter ran on after its parent was
+    SIGKILLed). It starts in the standard library only and then runs the module as ``-m`` would."""
+    if not sys.platform.startswith("linux"):
+        return [sys.executable, "-m", module, *args]
+    return [sys.executable, "-c", _DIE_WITH_PARENT_MAIN, str(os.getpid()), module, *args]
+
+
+def peer_lost(error: BaseException, timeout: timedelta | None) -> FleetError:
+    """The FleetError for a collective that failed because a peer hung past the process-group timeout or is gone.
+
+    Every rank that meets it prints its line at once and exits (no rank waits for rank 0 to speak: rank 0 may be the
+    hung one); it is not deterministic, so torchrun restarts the job from its last checkpoint while restarts are left."""
+    first = (str(error).strip().splitlines() or [""])[0][:300]
+    if "timeout" in first.lower() or "timed out" in first.lower():  # gloo: "Timed out waiting", then "Application timeout"
+        within = f" within FleetStrategy(timeout={timeout.total_seconds():g} s)" if timeout is not None else ""
+        what = f"a collective did not complete{within}: a peer process is hung"
+    else:  # gloo: "Connection closed by peer", NCCL: a remote error
+        what = "a collective failed: a peer process is gone"
+    failure = FleetError(
+        f"rank {_global_rank()}: {what} ({type(error).__name__}: {first}); stopping this rank (torchrun restarts the job "
+        "from its last checkpoint while restarts are left)"
+    )
+    setattr(failure, _OWN_LINE, True)
+    return failure
+
+
+def strict_sigterm_broadcast(loop: Any, timeout: timedelta | None) -> Callable[[], None] | None:
+    """A replacement for Lightning's per-step SIGTERM broadcast of ``loop`` (a training epoch loop of ``lightning`` or
+    ``pytorch_lightning``) that fails the step when the broadcast fails; None when the loop has no such method.
+
+    Lightning's ``_broadcast_sigterm_tensor`` catches every exception, so a broadcast that timed out because a peer hung
+    is taken as "no SIGTERM" and the job goes on into the next collective (measured: a SIGSTOPped peer hung the job
+    past 120 s with a timeout of 8 s). This one does what Lightning's does and raises :func:`peer_lost` instead.
+    """
+    original = getattr(type(loop), "_broadcast_sigterm_tensor", None)
+    sigterm_exception = getattr(original, "__globals__", {}).get("SIGTERMException")
+    if sigterm_exception is None:
+        return None
+
+    def broadcast_sigterm_tensor() -> None:
+        import torch
+
+        trainer = loop.trainer
+        flag = torch.tensor([1 if getattr(trainer, "received_sigterm", False) else 0], device=trainer.strategy.root_device)
+        try:
+            torch.distributed.broadcast(flag, src=0)
+        except Exception as err:  # a timed-out or broken collective (DistBackendError, RuntimeError)
+            raise peer_lost(err, timeout) from err
+        if flag.item() == 1:
+            with contextlib.suppress(Exception):
+                torch.distributed.barrier()  # as Lightning's: let every rank reach the exit
+            raise sigterm_exception()
+
+    return broadcast_sigterm_tensor
+
+
 # --- one line per FleetError, no restarts for a deterministic one --------------------------------
 
 
@@ -223,7 +334,8 @@ def deterministic_errors() -> Iterator[None]:
 
 
 def install_error_hook() -> None:
-    """Route uncaught FleetErrors to :func:`end_job`; every other exception goes to the hook installed before.
+    """Route uncaught FleetErrors to :func:`end_job`; every other exception goes to the hook installed before. Every
+    uncaught exception is first written to torchrun's error file (:func:`write_error_file`).
 
     Idempotent: does nothing while the outermost ``sys.excepthook`` is this one; when another hook has
     wrapped it since (``init_process_group`` installs one that buffers stderr), wraps again so that the
@@ -238,6 +350,7 @@ def install_error_hook() -> None:
         _parent_at_install = os.getppid()
 
     def hook(kind: type[BaseException], error: BaseException, traceback: Any) -> None:
+        write_error_file(error, traceback)
         if isinstance(error, FleetError):
             end_job(error)
         previous(kind, error, traceback)
@@ -251,10 +364,14 @@ def end_job(error: FleetError) -> None:
 
     Rank 0 prints ``lightning_fleet: error: <message>``. The other ranks print nothing and wait up to
     :data:`PEER_GRACE_S` for the job to end around them (rank 0 exiting, the agent's SIGTERM); if it does not,
-    rank 0 did not raise this error, and they print it themselves with their rank.
+    rank 0 did not raise this error, and they print it themselves with their rank. A :func:`peer_lost` error is printed
+    by every rank that raises it, at once.
     """
     rank = _global_rank()
     message = " ".join(str(error).split("\n")).strip() or type(error).__name__
+    if getattr(error, _OWN_LINE, False):  # every rank that met it says so, with its rank (peer_lost)
+        print(f"lightning_fleet: error: {message}", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_CODE)
     if rank == 0:
         print(f"lightning_fleet: error: {message}", file=sys.stderr, flush=True)
     agent = _agent_to_stop(error)
@@ -311,3 +428,17 @@ def _ended_around_us(grace_s: float) -> bool:
         time.sleep(_POLL_S)
     return False
 
+
+def write_error_file(error: BaseException, traceback: Any) -> None:
+    """Write ``error`` to the file torchrun gives each worker (``TORCHELASTIC_ERROR_FILE``), in the format of torch's
+    ``ErrorHandler.record_exception``, so that the agent knows the root cause (``fleet launch`` prints it) without the
+    script's entry point being decorated with ``@record``. Does nothing outside torchrun."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    line = " ".join(str(error).split("\n")).strip()
+    data = {"message": {"message": f"{type(error).__name__}: {line}" if line else type(error).__name__,
+                        "extraInfo": {"py_callstack": "".join(tb.format_exception(type(error), error, traceback)),
+                                      "timestamp": str(int(time.time()))}}}
+    with contextlib.suppress(OSError):
+        Path(path).write_text(json.dumps(data))

@@ -24,7 +24,7 @@ from lightning_fleet.planning import Constraints, FleetError, Offload, Overlaps,
 from lightning_fleet.planning.plan import DEFAULT_ORDER, field_text
 
 if TYPE_CHECKING:
-    from lightning_fleet.elastic.layout import Manifest
+    from lightning_fleet.elastic.checkpoint import VerifiedCheckpoint
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -325,12 +325,20 @@ class Backend(Protocol):
         """The engine's sharded checkpoint under ``directory`` with the trainer's client state (every rank)."""
         ...
 
-    def load(self, engine: Any, directory: str | Path, *, optimizer_states: bool, strict: bool) -> dict[str, Any]:
-        """Load a checkpoint the engine's plan wrote (or a resharded one) and return the client state."""
+    def load(
+        self, engine: Any, directory: str | Path, *, optimizer_states: bool, strict: bool, checkpoint: VerifiedCheckpoint | None
+    ) -> dict[str, Any]:
+        """Load a checkpoint the engine's plan wrote (or a resharded one) and return the client state; every file is
+        unpickled without running code, and checked against ``checkpoint``'s manifest as it is read when given."""
         ...
 
-    def reshard(self, step: Path, manifest: Manifest) -> Path:
-        """Rank 0: a checkpoint written at another world size, converted once into a form this runtime loads at any."""
+    def reshard(self, checkpoint: VerifiedCheckpoint) -> VerifiedCheckpoint:
+        """Rank 0: a checkpoint written at another world size, converted once into a form this runtime loads at any,
+        which is then listed in its manifest (the returned checkpoint carries that manifest)."""
+        ...
+
+    def derived_of(self, step: Path) -> Path:
+        """Where :meth:`reshard` puts a checkpoint's converted form (inside the step dir)."""
         ...
 
     def record(self, module: Any) -> Any:

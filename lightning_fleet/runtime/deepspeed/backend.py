@@ -15,10 +15,12 @@ from typing import Any, Iterable
 
 import torch
 
-from lightning_fleet.elastic.layout import Manifest, TAG, state_dir
+from lightning_fleet.elastic.checkpoint import VerifiedCheckpoint
+from lightning_fleet.elastic.layout import TAG, state_dir, universal_dir
 from lightning_fleet.planning import FleetError, Plan, Recompute, parse_plan
 from lightning_fleet.runtime.base import Capabilities, TensorParallelSpec
 from lightning_fleet.runtime.deepspeed.capabilities import DEEPSPEED
+from lightning_fleet.runtime.deepspeed.checked_engine import checked_loads
 from lightning_fleet.runtime.deepspeed.config import deepspeed_config
 from lightning_fleet.runtime.deepspeed.pipeline import build_pipeline, local_optimizer, micro_batch_iterator, sync_stage_weights
 from lightning_fleet.runtime.deepspeed.universal import make_universal
@@ -119,20 +121,31 @@ class DeepSpeedBackend:
         kept = {k: v for k, v in client_state.items() if k not in ("state_dict", "optimizer_states")}
         engine.save_checkpoint(directory, client_state=kept, tag=TAG, exclude_frozen_parameters=False)
 
-    def load(self, engine: Any, directory: str | Path, *, optimizer_states: bool, strict: bool) -> dict[str, Any]:
-        """Load a checkpoint this engine's plan wrote (or its universal form) and return the client state."""
-        _, client_state = engine.load_checkpoint(
-            directory, load_optimizer_states=optimizer_states, load_lr_scheduler_states=False, load_module_strict=strict
-        )
+    def load(
+        self, engine: Any, directory: str | Path, *, optimizer_states: bool, strict: bool, checkpoint: VerifiedCheckpoint | None
+    ) -> dict[str, Any]:
+        """Load a checkpoint this engine's plan wrote (or its universal form) under the tag Lightning saves with (never
+        DeepSpeed's ``latest`` file) and return the client state. Every file is unpickled without running code and, when
+        ``checkpoint`` is given, checked against its manifest as it is read (runtime/deepspeed/checked_engine.py)."""
+        if not (Path(directory) / TAG).is_dir():
+            raise FleetError(f"DeepSpeed found no checkpoint under {directory} (no '{TAG}' directory): point ckpt_path at a FleetCheckpoint step or a trainer.save_checkpoint dir")
+        with checked_loads(engine, checkpoint):
+            _, client_state = engine.load_checkpoint(
+                directory, tag=TAG, load_optimizer_states=optimizer_states, load_lr_scheduler_states=False, load_module_strict=strict
+            )
         if client_state is None:
             raise FleetError(f"DeepSpeed found no checkpoint under {directory}: point ckpt_path at a FleetCheckpoint step or a trainer.save_checkpoint dir")
         return client_state
 
-    def reshard(self, step: Path, manifest: Manifest) -> Path:
-        """Rank 0: the universal form of a data-parallel checkpoint written at another world size (converted once),
-        which every ZeRO stage 1-3 loads at any data-parallel size."""
-        source = parse_plan(manifest.plan or "")
-        return make_universal(step, source.zero)
+    def reshard(self, checkpoint: VerifiedCheckpoint) -> VerifiedCheckpoint:
+        """Rank 0: the universal form of a data-parallel checkpoint written at another world size (converted once, then
+        listed in its manifest), which every ZeRO stage 1-3 loads at any data-parallel size."""
+        source = parse_plan(checkpoint.manifest.plan or "")
+        return make_universal(checkpoint, source.zero)
+
+    def derived_of(self, step: Path) -> Path:
+        """Where :meth:`reshard` puts a checkpoint's resharded form."""
+        return universal_dir(step)
 
     def record(self, module: torch.nn.Module) -> ModuleRecord:
         """What the module is before the engine replaces, partitions or hooks it (what :meth:`hand_back` restores)."""

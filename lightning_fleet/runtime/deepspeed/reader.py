@@ -1,36 +1,30 @@
 """Offline: a DeepSpeed checkpoint directory and its layout -> the full state_dict (no process group, no model code).
 
 :func:`read` covers any plan (ZeRO 0-3, offload, AutoTP tensor parallel, DeepSpeed pipeline, and their data-parallel
-products). Every file is read with ``weights_only=True`` (the checkpoint module's allowlist), memory-mapped, one after
+products). Every file is read by the restricted unpickler (elastic/safe_load.py), memory-mapped, one after
 another; only the weights are copied out (optimizer moments are never read). Trainable parameters are DeepSpeed's fp32
 masters wherever it keeps them (ZeRO 1/2 and bf16-optimizer shards, ZeRO-3 partitions, the model-states file of
 ZeRO-0's fp16/bf16 optimizer wrapper), so a mixed-precision run exports full precision. What DeepSpeed's files do not
 say (split dims, pipeline layer keys, wrapper groups, the original keys, shapes and dtypes) comes from the layout that
 :func:`lightning_fleet.runtime.deepspeed.weights.write_layout` wrote next to them.
 
-Imports deepspeed only to admit its classes to ``torch.load`` (by name, when present). Imported by
+Imports torch and elastic/safe_load.py (which admits DeepSpeed's classes by name, when present). Imported by
 :mod:`lightning_fleet.export` (and its tests).
 """
 
 from __future__ import annotations
 
-import importlib
 import math
-import pickle
-import re
-import zipfile
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 import torch
 
-from lightning_fleet.elastic.checkpoint import _SAFE_PATTERN as _TORCH_TYPE  # dtypes and storages torch admits itself
-from lightning_fleet.elastic.checkpoint import SAFE_GLOBALS, torch_file_globals
 from lightning_fleet.elastic.layout import DEEPSPEED_LATEST, EXPORT_LAYOUT, TAG, UNSTAGED
+from lightning_fleet.elastic.safe_load import load_file
 from lightning_fleet.planning import FleetError
 from lightning_fleet.runtime.deepspeed.weights import TensorInfo, as_export, unflat
 
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")  # torch's weights_only message is coloured
 _CLIENT_KEYS = ("pytorch-lightning_version", "epoch", "global_step", "hyper_parameters", "hparams_name")
 
 
@@ -39,7 +33,7 @@ def read(directory: Path, layout: Mapping[str, Any]) -> tuple[dict[str, torch.Te
     keyed and shaped like the original module's ``state_dict()`` (floating tensors fp32), and what Lightning saved next
     to them in the first model-states file (version, epoch, step, hyper-parameters). Raises FleetError (one line) for
     a missing, damaged or mismatched file."""
-    reader = _Reader(directory / str(layout["tag"]), layout, _safe_globals())
+    reader = _Reader(directory / str(layout["tag"]), layout)
     # DeepSpeed saves its fp32 groups with requires_grad=True: a copy out of them under autograd would keep a graph node
     # holding the source tensor, and with it the whole memory-mapped file
     with torch.no_grad():
@@ -70,13 +64,13 @@ class _Reader:
     """Reads the DeepSpeed files of one checkpoint, knowing their names from the layout: each file memory-mapped when
     needed, what is wanted copied out, the file let go before the next one (nothing is cached)."""
 
-    def __init__(self, files: Path, layout: Mapping[str, Any], allowed: list[Any]) -> None:
-        self.files, self.layout, self.allowed = files, layout, allowed
+    def __init__(self, files: Path, layout: Mapping[str, Any]) -> None:
+        self.files, self.layout = files, layout
         self.dp, self.zero = int(layout["dp"]), int(layout["zero"])
         self._client: dict[str, Any] | None = None
 
     def load(self, name: str) -> Any:
-        return _load(self.files / name, self.allowed)
+        return load_file(self.files / name, mmap=True)
 
     def model_states(self, mp: int, dp: int = 0) -> dict[str, Any]:
         """The model-states file of model-parallel rank ``mp`` (ZeRO-3: of data-parallel rank ``dp`` too)."""
@@ -339,7 +333,7 @@ def _assemble(named: dict[str, torch.Tensor], layout: Mapping[str, Any], directo
     """The original state_dict: every recorded key, in order, with its recorded shape; aliases share their tensor.
     Takes the tensors out of ``named`` as it goes (each source is let go once its export copy exists)."""
     pipeline = layout.get("pipeline") or {}
-    unstaged = _load(directory / UNSTAGED, _safe_globals()) if pipeline.get("unstaged") else {}
+    unstaged = load_file(directory / UNSTAGED, mmap=True) if pipeline.get("unstaged") else {}
     out: dict[str, torch.Tensor] = {}
     for entry in layout["tensors"]:
         info = TensorInfo.from_json(entry)
@@ -357,71 +351,3 @@ def _assemble(named: dict[str, torch.Tensor], layout: Mapping[str, Any], directo
             )
         out[info.key] = as_export(value)
     return out
-
-
-# --- one file: weights_only, memory-mapped, one FleetError line when refused or damaged -----------
-
-
-def _safe_globals() -> list[Any]:
-    """The checkpoint module's allowlist as objects for ``torch.serialization.safe_globals``."""
-    found = []
-    for dotted in sorted(SAFE_GLOBALS):
-        module_name, _, name = dotted.rpartition(".")
-        try:
-            found.append(getattr(importlib.import_module(module_name), name))
-        except (ImportError, AttributeError):
-            continue  # e.g. a DeepSpeed class in a DeepSpeed without it: such a file cannot hold it either
-    return found
-
-
-def _load(path: Path, allowed: list[Any]) -> Any:
-    """torch.load(weights_only=True) with the allowlist, memory-mapped when the file is torch.save's zip archive (a
-    tensor's bytes are read only when something uses them); a missing, unreadable or refused file is one FleetError line."""
-    if not path.is_file():
-        raise FleetError(
-            f"checkpoint is incomplete: {path} is missing (a save that did not finish, or a partial copy); use another checkpoint"
-        )
-    try:
-        with torch.serialization.safe_globals(allowed):
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
-    except pickle.UnpicklingError as err:  # weights_only refused a global, or the pickle itself is damaged
-        refused = _refused_globals(path, allowed)
-        if refused:
-            raise FleetError(_refusal(path, refused)) from None
-        raise FleetError(_unreadable(path, err)) from None
-    except Exception as err:  # truncated zip, flipped bytes
-        raise FleetError(_unreadable(path, err)) from None
-
-
-def _unreadable(path: Path, err: Exception) -> str:
-    text = _ANSI.sub("", str(err)).strip()
-    reason = text.splitlines()[0] if text else type(err).__name__
-    return f"cannot read {path} ({reason[:200]}): truncated, corrupted or not a checkpoint file"
-
-
-def _refused_globals(path: Path, allowed: list[Any]) -> list[str]:
-    """The globals the file's pickles would import that neither the allowlist nor torch's own (dtypes, storages) nor
-    ``torch.serialization.add_safe_globals`` admit; empty when the file cannot be scanned."""
-    try:
-        found = torch_file_globals(path)
-    except Exception:  # not a zip of pickles nor a pickle: damaged
-        return []
-    admitted = set(SAFE_GLOBALS) | {_dotted(g) for g in [*allowed, *torch.serialization.get_safe_globals()]}
-    return sorted(g for g in found if g not in admitted and not _TORCH_TYPE.match(g))
-
-
-def _dotted(entry: Any) -> str:
-    """``module.name`` of an allowlist entry (an object, or an (object, name) pair as add_safe_globals takes)."""
-    if isinstance(entry, tuple):
-        return str(entry[1])
-    return f"{entry.__module__}.{entry.__qualname__}"
-
-
-def _refusal(path: Path, refused: list[str]) -> str:
-    names = ", ".join(name.rpartition(".")[2] for name in refused)
-    return (
-        f"cannot read {path}: it would import {', '.join(refused)} when loaded, which torch.load(weights_only=True) refuses "
-        "(it could run code): keep hyper-parameters to plain types (str, int, float, bool, None, lists, dicts: str(path), "
-        f"enum.value) or leave them out with save_hyperparameters(ignore=[...]); if you trust the class, call "
-        f"torch.serialization.add_safe_globals([{names}]) before reading"
-    )

@@ -13,9 +13,9 @@ files itself (ZeRO-0: full weights and a plain torch optimizer state), and then 
 result so that every ZeRO stage 1-3 loads it. Tensor- and pipeline-parallel checkpoints are not
 resharded (their per-rank layouts have no verified conversion here): a clear error says so.
 
-Every file read here is loaded with ``weights_only=True`` and an explicit allowlist of the few
-DeepSpeed classes its checkpoints hold; the source checkpoint is verified and its pickles
-screened before this module is called.
+Every file read here, and by DeepSpeed's converter (``python -m lightning_fleet.runtime.deepspeed.convert``), is
+unpickled by the restricted unpickler (:mod:`lightning_fleet.elastic.safe_load`); the source checkpoint is verified
+before this module is called, and the universal form is hashed into its manifest when complete.
 
 Imports torch and deepspeed (at call time) and runs DeepSpeed's converter in a subprocess; imported by the DeepSpeed
 backend and the strategy.
@@ -25,65 +25,51 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
-from lightning_fleet.elastic.checkpoint import fsync_path, fsync_tree
+from lightning_fleet.elastic.checkpoint import VerifiedCheckpoint, fsync_path, fsync_tree, list_derived
+from lightning_fleet.elastic.layout import TAG, UNIVERSAL, UNIVERSAL_LATEST, deepspeed_files, derived_listed, tmp_name, universal_dir
+from lightning_fleet.elastic.safe_load import load_file
+from lightning_fleet.elastic.worker import module_command
 from lightning_fleet.planning import FleetError
 
-UNIVERSAL = "universal"
-_DONE = ".complete"
 _MOMENTS = ("fp32", "exp_avg", "exp_avg_sq")
 _MODEL_STATE_NAMES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
 """Universal loading reads rank 0's model-state file for metadata only; ZeRO 1-2 look for the first
 name, ZeRO-3 for the second (DeepSpeed 0.19.8 engine._get_all_ckpt_names)."""
 
 
-def universal_dir(step: Path) -> Path:
-    """Where the layout-free (universal) form of a checkpoint lives."""
-    return step / UNIVERSAL
+def make_universal(checkpoint: VerifiedCheckpoint, source_zero: int, timeout_s: float = 900) -> VerifiedCheckpoint:
+    """Write (once) the universal form of a verified checkpoint written with ``source_zero``, and list it in the
+    checkpoint's manifest; returns the checkpoint with that manifest.
 
-
-def make_universal(step: Path, source_zero: int, timeout_s: float = 900) -> Path:
-    """Write (once) the universal form of a verified, screened checkpoint directory written with ``source_zero``.
-
-    Works into a temporary directory that is renamed into place and marked complete only when
-    the conversion and normalisation succeeded, so a kill midway leaves nothing half-usable.
+    Works into a temporary directory that is renamed into place and hashed into the manifest only when the
+    conversion and normalisation succeeded, so a kill midway leaves nothing that is ever loaded (an unlisted
+    universal form is converted again). A form already listed was verified with the rest of the checkpoint.
     """
-    target = universal_dir(step)
-    if (target / _DONE).is_file():
-        return target
-    tmp = step / f".tmp-{UNIVERSAL}"
+    step, manifest = checkpoint.path, checkpoint.manifest
+    if derived_listed(manifest, UNIVERSAL):
+        return checkpoint
+    target, tmp = universal_dir(step), step / tmp_name(UNIVERSAL)
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.rmtree(target, ignore_errors=True)
-    source, out = step / "state" / "checkpoint", tmp / "checkpoint"
+    source, out = deepspeed_files(step), tmp / TAG
     if source_zero == 0:
         _universal_from_zero0(source, out)
     else:
-        cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(source), "--output_folder", str(out),
-               "--inject_missing_state", "--num_extract_workers", "1", "--num_merge_workers", "1"]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        cmd = module_command("lightning_fleet.runtime.deepspeed.convert", "--input_folder", str(source), "--output_folder", str(out),
+                             "--inject_missing_state", "--num_extract_workers", "1", "--num_merge_workers", "1")
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)  # dies with this process (SIGKILL)
         if done.returncode != 0:
             tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
             raise FleetError(f"converting {step} to a universal checkpoint failed: {tail[0]}")
     normalize_universal(out)
-    (tmp / "latest_universal").write_text("checkpoint")
-    (tmp / _DONE).write_text("")
+    (tmp / UNIVERSAL_LATEST).write_text(TAG)
     fsync_tree(tmp)
     tmp.rename(target)
     fsync_path(step)
-    return target
-
-
-def _load(path: Path) -> Any:
-    """torch.load with weights_only=True, allowing only the DeepSpeed classes its checkpoints hold."""
-    import torch
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-
-    with torch.serialization.safe_globals([LossScaler, DynamicLossScaler, ZeroStageEnum]):
-        return torch.load(path, map_location="cpu", weights_only=True)
+    return VerifiedCheckpoint(step, list_derived(step, manifest, UNIVERSAL))
 
 
 def _save(obj: Any, path: Path) -> None:
@@ -111,20 +97,20 @@ def normalize_universal(folder: Path) -> None:
     states = [folder / name for name in _MODEL_STATE_NAMES if (folder / name).is_file()]
     if not states:
         raise FleetError(f"universal checkpoint {folder} has no model-state file; it cannot be loaded")
-    model_state = _load(states[0])
+    model_state = load_file(states[0])
     shapes = _param_shapes(model_state)
-    optim = _load(folder / "zero" / "optimizer_state.pt")
+    optim = load_file(folder / "zero" / "optimizer_state.pt")
     base = optim.get("optimizer_state_dict") or {}
     step = next(iter(base.get("state", {}).values()), {}).get("step")
     for name, shape in shapes.items():
         for key in _MOMENTS:
             path = folder / "zero" / name / f"{key}.pt"
-            value = _load(path)
+            value = load_file(path)
             if not isinstance(value, dict):
                 _save({"param": value.reshape(shape), "cat_dim": 0}, path)
         step_file = folder / "zero" / name / "step.pt"
         if step_file.is_file():
-            step = _load(step_file) if step is None else step
+            step = load_file(step_file) if step is None else step
         elif step is not None:
             _save(torch.as_tensor(step, dtype=torch.float32), step_file)
     if step is None:
@@ -147,7 +133,7 @@ def _universal_from_zero0(source: Path, out: Path) -> None:
     files = sorted(source.glob("mp_rank_*_model_states.pt"))
     if len(files) != 1:
         raise FleetError(f"ZeRO-0 checkpoint {source} has {len(files)} model-state files (tensor parallel?); only tp=1 is resharded")
-    model_state = _load(files[0])
+    model_state = load_file(files[0])
     optimizer = model_state.get("optimizer")
     if not isinstance(optimizer, dict) or "state" not in optimizer or len(optimizer.get("param_groups", [])) != 1:
         raise FleetError(

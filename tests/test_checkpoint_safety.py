@@ -1,0 +1,517 @@
+"""Issue 11, "nothing lost" and "clear errors, no crash loops" for FleetCheckpoint checkpoints.
+
+Each test fails on the code before the change it covers: a NaN loss under ZeRO-0 committed non-finite weights and
+keep-K pruning deleted the last finite checkpoint; two jobs on one directory overwrote each other; a FIFO ``latest``
+blocked start-up and a higher-numbered copy won over ``latest``; ranks seeded apart read samples twice; a read-only or
+full directory was found at the first save (after training) and every restart repeated it; a disk filling up during a
+save was a C++ ``enforce fail`` and a restart loop. Real DeepSpeed on gloo, real torchrun, real kills, tmpfs mounts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from lightning_fleet.elastic.checkpoint import (
+    LATEST_MAX_BYTES,
+    committed,
+    file_table,
+    newest_verified,
+    read_latest,
+    remove_abandoned,
+    set_aside_newer,
+)
+from lightning_fleet.elastic.layout import LATEST, LOCK, MANIFEST, SET_ASIDE, Manifest, step_dir_name
+from lightning_fleet.elastic.lock import DirLock, LockHolder, machine_id
+from lightning_fleet.elastic.worker import is_deterministic
+from lightning_fleet.planning import FleetError
+from tests.multiprocess import ROOT, finish, free_port, kill_family, run, worker_env
+
+WORKER = ROOT / "tests" / "workers" / "safety_tiny.py"
+
+
+# --- helpers -------------------------------------------------------------------------------------------------------
+
+
+def fake_checkpoint(directory: Path, step: int, *, named: int | None = None, payload: bytes = b"weights") -> Path:
+    """A committed step dir that verifies (one file and its manifest); ``named``: the step its directory is named after."""
+    path = directory / step_dir_name(step if named is None else named)
+    path.mkdir(parents=True)
+    (path / "weights.bin").write_bytes(payload)
+    manifest = Manifest(step=step, world_size=1, plan=None, global_batch_size=None, model=None, data_seed=None,
+                        files=file_table(path))
+    (path / MANIFEST).write_text(manifest.to_json())
+    return path
+
+
+def torchrun(tmp: Path, *args: str, restarts: int = 0, log: str = "job.log") -> psutil.Popen:
+    """Start the worker under plain torchrun (2 processes) in its own session; output to tmp/<log>."""
+    env = worker_env(tmp)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
+           f"--master-port={env['MASTER_PORT']}", f"--max-restarts={restarts}", str(WORKER), "--dir", str(tmp), *args]
+    out = open(tmp / log, "a")
+    return psutil.Popen(cmd, env=env, cwd=ROOT, stdout=out, stderr=out, start_new_session=True)
+
+
+def single(tmp: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """The worker as one process (Lightning, one device)."""
+    return run([sys.executable, str(WORKER), "--dir", str(tmp), "--plan", "dp=1,zero=0", *args], worker_env(tmp), timeout)
+
+
+def error_lines(log: str) -> list[str]:
+    return [line for line in log.splitlines() if line.startswith("lightning_fleet: error:")]
+
+
+def attempts(log: str) -> int:
+    """Attempts that reached the plan (rank 0 prints the plan once per attempt)."""
+    return log.count("lightning_fleet plan for Tiny")
+
+
+def finite_checkpoint(step_dir: Path) -> bool:
+    """Whether a ZeRO-0 checkpoint's module weights are finite (our own test files: full unpickling is fine)."""
+    states = next((step_dir / "state" / "checkpoint").glob("*model_states.pt"))
+    module = torch.load(states, weights_only=False)["module"]
+    return all(bool(torch.isfinite(t).all()) for t in module.values())
+
+
+@contextmanager
+def tmpfs(path: Path, size: str, read_only: bool = False):
+    """A tmpfs of ``size`` mounted at ``path`` (root only), unmounted afterwards."""
+    path.mkdir(parents=True, exist_ok=True)
+    options = f"size={size},mode=0755" + (",ro" if read_only else "")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip() or done.returncode}): needs root")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+# --- `latest`, manifest step = name, set-aside, abandoned saves (pure) -----------------------------------------------
+
+
+@pytest.mark.pure
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero", "huge", "binary", "not-a-step"])
+def test_a_latest_that_is_not_a_small_text_file_is_ignored_with_a_line(tmp_path, kind):
+    """Before: a FIFO `latest` blocked start-up for good, /dev/zero ate memory, binary content stopped the job."""
+    fake_checkpoint(tmp_path, 2)
+    fake_checkpoint(tmp_path, 4)
+    hint = tmp_path / LATEST
+    if kind == "fifo":
+        os.mkfifo(hint)
+    elif kind == "dev-zero":
+        hint.symlink_to("/dev/zero")
+    elif kind == "huge":
+        hint.write_bytes(b"step-000000002" + b" " * (10 * 1024 * 1024))
+    elif kind == "binary":
+        hint.write_bytes(b"\xff\xfe\x00step")
+    else:
+        hint.write_text("../elsewhere")
+    logged: list[str] = []
+    chosen: list = []
+    reader = threading.Thread(target=lambda: chosen.append(newest_verified(tmp_path, log=logged.append)), daemon=True)
+    reader.start()
+    reader.join(timeout=10)
+    assert not reader.is_alive(), "reading `latest` blocked"
+    assert chosen[0].path.name == "step-000000004"  # the newest that verifies
+    assert len([line for line in logged if "ignoring" in line and str(hint) in line]) == 1, logged
+    assert all("\n" not in line and len(line) < 400 for line in logged)
+
+
+@pytest.mark.pure
+def test_latest_wins_over_a_higher_numbered_copy_and_the_next_commit_sets_the_copy_aside(tmp_path):
+    """Before: the newest step dir was chosen by name, so an operator's copy (or a planted dir) numbered higher won over
+    `latest` forever (pruning kept it too)."""
+    fake_checkpoint(tmp_path, 2)
+    fake_checkpoint(tmp_path, 4)
+    fake_checkpoint(tmp_path, 90, payload=b"someone else's")
+    (tmp_path / LATEST).write_text("step-000000004")
+    logged: list[str] = []
+    assert newest_verified(tmp_path, log=logged.append).path.name == "step-000000004"
+    assert any("not the higher-numbered step-000000090" in line for line in logged), logged
+    moved = set_aside_newer(tmp_path, 6, log=logged.append)  # FleetCheckpoint commits step 6 next
+    assert [p.name for p in moved] == ["step-000000090"] and (tmp_path / SET_ASIDE / "step-000000090" / "weights.bin").exists()
+    assert [p.name for p in committed(tmp_path)] == ["step-000000004", "step-000000002"]
+
+
+@pytest.mark.pure
+def test_a_step_dir_whose_manifest_names_another_step_is_skipped_with_a_line(tmp_path):
+    fake_checkpoint(tmp_path, 2)
+    fake_checkpoint(tmp_path, 2, named=7)  # a copy renamed to a higher step
+    logged: list[str] = []
+    assert newest_verified(tmp_path, log=logged.append).path.name == "step-000000002"
+    assert any("step-000000007" in line and "records step 2" in line for line in logged), logged
+
+
+@pytest.mark.pure
+def test_latest_is_read_only_up_to_its_bound(tmp_path):
+    (tmp_path / LATEST).write_text("step-000000003" + " " * (LATEST_MAX_BYTES - 20))
+    assert read_latest(tmp_path, log=pytest.fail) == "step-000000003"
+    assert read_latest(tmp_path / "missing", log=pytest.fail) is None
+
+
+@pytest.mark.pure
+def test_abandoned_saves_are_removed_only_under_the_directory_lock(tmp_path):
+    """Before: remove_abandoned deleted any .tmp-step-* dir, another live job's save in progress included."""
+    (tmp_path / ".tmp-step-000000005").mkdir()
+    with pytest.raises(FleetError, match="needs its lock"):
+        remove_abandoned(tmp_path, DirLock(tmp_path))
+    held = DirLock(tmp_path)
+    held.acquire()
+    try:
+        remove_abandoned(tmp_path, held)
+    finally:
+        held.release()
+    assert not (tmp_path / ".tmp-step-000000005").exists() and not (tmp_path / LOCK).exists()
+
+
+# --- the directory lock (real processes) ----------------------------------------------------------------------------
+
+HOLDER = """
+import sys, time
+sys.path.insert(0, {root!r})
+import lightning_fleet.elastic.lock as L
+if {elsewhere!r}:
+    L.machine_id = lambda: "another-machine"
+lock = L.DirLock(__import__("pathlib").Path({path!r}), job={job!r}, heartbeat_s=0.2)
+lock.acquire()
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
+@contextmanager
+def holder_process(path: Path, *, elsewhere: bool = False, job: str = ""):
+    """A process holding the lock of ``path`` (posing as another machine when ``elsewhere``), killed afterwards."""
+    code = HOLDER.format(root=str(ROOT), path=str(path), elsewhere=elsewhere, job=job)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert proc.stdout.readline().strip() == "held"
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.unit
+def test_a_live_holder_is_named_and_a_dead_one_is_taken_over_with_a_line(tmp_path):
+    with holder_process(tmp_path) as proc:
+        with pytest.raises(FleetError) as err:
+            DirLock(tmp_path).acquire()
+        message = str(err.value)
+        assert "\n" not in message and f"pid {proc.pid}" in message and "in use by another job" in message
+        assert "another checkpoint_dir" in message
+        proc.kill()
+        proc.wait()
+        logged: list[str] = []
+        taker = DirLock(tmp_path, log=logged.append)
+        taker.acquire()
+        taker.release()
+    assert len(logged) == 1 and "its process is gone" in logged[0] and f"pid {proc.pid}" in logged[0]
+
+
+@pytest.mark.unit
+def test_a_holder_on_another_machine_is_refused_once_its_heartbeat_moves(tmp_path):
+    with holder_process(tmp_path, elsewhere=True):
+        started = time.monotonic()
+        with pytest.raises(FleetError, match="in use by another job"):
+            DirLock(tmp_path, heartbeat_s=0.2).acquire()
+        assert time.monotonic() - started < 5
+
+
+@pytest.mark.unit
+def test_the_same_jobs_restart_takes_over_at_once(tmp_path):
+    with holder_process(tmp_path, elsewhere=True, job="run-7"):
+        logged: list[str] = []
+        taker = DirLock(tmp_path, job="run-7", log=logged.append)
+        taker.acquire()
+        taker.release()
+    assert "an earlier attempt of this job" in logged[0] and "run id run-7" in logged[0]
+
+
+@pytest.mark.pure
+def test_a_stale_or_unreadable_lock_is_taken_over_and_a_holder_that_lost_it_stops(tmp_path):
+    old = LockHolder(host="gone", machine="another-machine", pid=1, job="", token="t", heartbeat=time.time() - 3600)
+    (tmp_path / LOCK).write_bytes(old.encode())
+    logged: list[str] = []
+    first = DirLock(tmp_path, log=logged.append)
+    first.acquire()
+    assert "stale (no heartbeat for more than 30 s)" in logged[-1]
+    fresh = LockHolder(host="h2", machine="another-machine", pid=2, job="", token="u", heartbeat=time.time())
+    (tmp_path / LOCK).write_bytes(fresh.encode())  # another job took it while this one was stopped
+    with pytest.raises(FleetError, match="lost checkpoint directory .* to another job \\(host h2, pid 2"):
+        first.verify()
+    first.release()
+    assert (tmp_path / LOCK).exists()  # not ours: left alone
+    (tmp_path / LOCK).unlink()
+    os.mkfifo(tmp_path / LOCK)
+    DirLock(tmp_path, log=logged.append).acquire()
+    assert "name no holder" in logged[-1] and LockHolder.decode((tmp_path / LOCK).read_bytes()).machine == machine_id()
+
+
+# --- non-finite loss and weights --------------------------------------------------------------------------------------
+
+
+@pytest.mark.multiprocess
+def test_a_nan_loss_on_one_rank_stops_the_zero0_job_in_one_line_and_keeps_the_finite_checkpoints(tmp_path):
+    """Before: ZeRO-0 stepped into NaN weights, committed them at steps 6 and 8, and keep=2 pruned the finite step 4."""
+    proc = torchrun(tmp_path, "--nan-at", "5", "--nan-ranks", "1", "--plan", "dp=2,zero=0", "--keep", "2", restarts=1)
+    code = finish(proc, timeout=150)
+    log = (tmp_path / "job.log").read_text()
+    assert code != 0
+    lines = error_lines(log)
+    assert len(lines) == 1, log[-3000:]
+    assert "the loss is NaN on rank 1 at step 5 (it was not applied)" in lines[0]
+    assert f"the last good checkpoint is {tmp_path / 'ckpt' / 'step-000000004'} (step 4)" in lines[0]
+    assert "non_finite='skip'" in lines[0]
+    assert attempts(log) == 1  # deterministic: torchrun's restart is not spent on it
+    kept = committed(tmp_path / "ckpt")
+    assert [p.name for p in kept] == ["step-000000004", "step-000000002"] and all(map(finite_checkpoint, kept))
+
+
+@pytest.mark.multiprocess
+def test_skip_leaves_the_zero0_step_unapplied_on_every_rank(tmp_path):
+    """non_finite='skip': the NaN step (on rank 0 only) changes neither weights nor optimizer state; reported."""
+    done = run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
+                f"--master-port={free_port()}", str(WORKER), "--dir", str(tmp_path), "--nan-at", "5", "--nan-ranks", "0",
+                "--plan", "dp=2,zero=0", "--non-finite", "skip", "--every", "1", "--keep", "9"], worker_env(tmp_path), 150)
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert "lightning_fleet: step 5: the loss is NaN on rank 0; the step was skipped" in done.stdout
+    assert "1 step(s) skipped for a non-finite loss (non_finite='skip'): 5" in done.stdout
+    states = {step: torch.load(next((tmp_path / "ckpt" / step_dir_name(step) / "state" / "checkpoint").glob("*model_states.pt")),
+                               weights_only=False) for step in (4, 5, 6)}
+    for name, tensor in states[4]["module"].items():
+        assert torch.equal(tensor, states[5]["module"][name]) and not torch.equal(tensor, states[6]["module"][name])
+    before, after = states[4]["optimizer"]["state"], states[5]["optimizer"]["state"]
+    assert all(torch.equal(before[i][key], after[i][key]) for i in before for key in ("step", "exp_avg", "exp_avg_sq"))
+    result = torch.load(tmp_path / "final.pt", weights_only=False)
+    assert result["global_step"] == 8 and result["skipped"] == [5]
+    assert all(bool(torch.isfinite(t).all()) for t in result["state"].values())
+
+
+def _fit_in_process(tmp_path, *, steps: int, callbacks=(), keep: int = 1, plan: str = "dp=1,zero=0", **strategy):
+    import lightning.pytorch as pl
+    from lightning.pytorch import Trainer, seed_everything
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import lightning_fleet
+    from tests.multiprocess import QUIET_TRAINER
+
+    class Module(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(4, 1)
+            self.detached_nan_at: int | None = None
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = torch.nn.functional.mse_loss(self.net(x), y)
+            if self.trainer.global_step + 1 == self.detached_nan_at:
+                loss = loss + torch.tensor(float("nan"))  # NaN with finite gradients: DeepSpeed would apply the step
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=0.05)
+
+    seed_everything(0)
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(64, 4, generator=g), torch.randn(64, 1, generator=g))
+    checkpoint = lightning_fleet.FleetCheckpoint(tmp_path / "ckpt", every_n_steps=1, keep=keep)
+    trainer = Trainer(accelerator="cpu", devices=1, strategy=lightning_fleet.FleetStrategy(plan=plan, **strategy),
+                      max_steps=steps, limit_val_batches=0, callbacks=[*callbacks, checkpoint], **QUIET_TRAINER)
+    module = Module()
+    return trainer, module, DataLoader(data, batch_size=4)
+
+
+@pytest.mark.unit
+@pytest.mark.usefixtures("restore_environment")
+def test_skip_holds_under_zero2_even_where_the_gradients_are_finite(tmp_path):
+    """A NaN loss whose gradients are finite: DeepSpeed's overflow check alone would apply the step; skip does not."""
+    trainer, module, data = _fit_in_process(tmp_path, steps=6, keep=9, plan="dp=1,zero=2", non_finite="skip")
+    module.detached_nan_at = 4
+    trainer.fit(module, data)
+    weights = {}
+    for step in (3, 4, 5):
+        files = (tmp_path / "ckpt" / step_dir_name(step) / "state" / "checkpoint").glob("*optim_states.pt")
+        weights[step] = torch.load(next(files), weights_only=False)["optimizer_state_dict"]["single_partition_of_fp32_groups"][0]
+    assert torch.equal(weights[3], weights[4]) and not torch.equal(weights[4], weights[5])
+    guard = next(c for c in trainer.callbacks if type(c).__name__ == "NonFiniteGuard")
+    assert guard.skipped == [4]
+
+
+@pytest.mark.unit
+@pytest.mark.usefixtures("restore_environment")
+def test_non_finite_weights_are_never_committed_nor_counted_toward_keep(tmp_path):
+    """Weights that became non-finite (here: set so by a callback after step 3) are refused at the next commit; keep=1
+    still holds the last finite checkpoint. Before: committed, and the finite one pruned."""
+    from lightning.pytorch import Callback
+
+    class Corrupt(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == 3:
+                with torch.no_grad():
+                    pl_module.net.weight[0, 0] = float("inf")
+
+    trainer, module, data = _fit_in_process(tmp_path, steps=6, callbacks=[Corrupt()])
+    with pytest.raises(FleetError) as err:
+        trainer.fit(module, data)
+    message = str(err.value)
+    assert "\n" not in message and "not finite at step 3 (rank 0's shard)" in message
+    assert f"the last good checkpoint is {tmp_path / 'ckpt' / 'step-000000002'} (step 2)" in message
+    assert is_deterministic(err.value)
+    assert [p.name for p in committed(tmp_path / "ckpt")] == ["step-000000002"]
+    assert not list((tmp_path / "ckpt").glob(".tmp-*"))
+
+
+@pytest.mark.pure
+def test_a_bad_non_finite_policy_is_one_line():
+    import lightning_fleet
+
+    with pytest.raises(FleetError, match="non_finite='ignore'"):
+        lightning_fleet.FleetStrategy(non_finite="ignore")
+
+
+# --- the directory probed at setup; disk full ---------------------------------------------------------------------------
+
+
+@pytest.mark.unit
+@pytest.mark.usefixtures("restore_environment")
+def test_a_read_only_checkpoint_dir_is_one_deterministic_line_before_training(tmp_path):
+    """Before: found at the first save, after training, and again at every restart."""
+    with tmpfs(tmp_path / "ro", "1m", read_only=True) as mount:
+        trained: list[int] = []
+        from lightning.pytorch import Callback
+
+        class Count(Callback):
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+                trained.append(trainer.global_step)
+
+        trainer, module, data = _fit_in_process(mount, steps=2, callbacks=[Count()])
+        with pytest.raises(FleetError) as err:
+            trainer.fit(module, data)
+    message = str(err.value)
+    assert "\n" not in message and str(mount / "ckpt") in message and "Read-only file system" in message
+    assert "make it writable or point checkpoint_dir elsewhere" in message
+    assert is_deterministic(err.value) and trained == []
+
+
+@pytest.mark.unit
+@pytest.mark.usefixtures("restore_environment")
+def test_a_checkpoint_dir_without_room_for_one_more_checkpoint_is_refused_at_setup_and_at_a_save(tmp_path):
+    """Setup: free space below the newest checkpoint's size. A save: below the previous save's size (the file system
+    filled meanwhile), refused before anything is written; the previous checkpoint is named, intact."""
+    with tmpfs(tmp_path / "small", "400k") as mount:
+        trainer, module, data = _fit_in_process(mount, steps=2, keep=2)
+        trainer.fit(module, data)
+        size = sum(f.stat().st_size for f in committed(mount / "ckpt")[0].rglob("*") if f.is_file())
+        (mount / "filler").write_bytes(b"\0" * max(0, shutil.disk_usage(mount).free - size // 2))
+        trainer, module, data = _fit_in_process(mount, steps=4, keep=2)
+        with pytest.raises(FleetError) as err:
+            trainer.fit(module, data)
+        assert "one more checkpoint needs about" in str(err.value) and "the size of step-000000002" in str(err.value)
+        assert is_deterministic(err.value)
+        (mount / "filler").unlink()
+
+        from lightning.pytorch import Callback
+
+        class Filler(Callback):
+            """Fills the file system after step 3's save, leaving half the previous checkpoint's size."""
+
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+                if trainer.global_step == 3 and not (mount / "filler").exists():
+                    (mount / "filler").write_bytes(b"\0" * max(0, shutil.disk_usage(mount).free - size // 2))
+
+        trainer, module, data = _fit_in_process(mount, steps=6, keep=9, callbacks=[])
+        trainer.callbacks.append(Filler())  # after FleetCheckpoint: runs once step 3 is saved
+        with pytest.raises(FleetError) as err:
+            trainer.fit(module, data)
+    message = str(err.value)
+    assert "\n" not in message
+    assert f"saving the checkpoint of step 4 to {mount / 'ckpt' / 'step-000000004'} failed: the file system is full (" in message
+    assert f"the last good checkpoint is {mount / 'ckpt' / 'step-000000003'} (step 3), intact" in message
+    assert is_deterministic(err.value)
+
+
+@pytest.mark.elastic
+def test_disk_full_during_a_save_is_one_line_leaves_nothing_behind_and_does_not_loop(tmp_path):
+    """The file system fills up after the save of step 4 started (the worker's test switch): before, an `enforce fail
+    at inline_container.cc` or ENOSPC traceback, a partial .tmp-step dir, and every restart failing the same way."""
+    with tmpfs(tmp_path / "fs", "2m") as mount:
+        proc = torchrun(tmp_path, "--ckpt", str(mount / "ckpt"), "--plan", "dp=2,zero=2", "--fill-at", "4", restarts=2)
+        code = finish(proc, timeout=150)
+        log = (tmp_path / "job.log").read_text()
+        left = sorted(p.name for p in (mount / "ckpt").iterdir() if not p.name.startswith(".fleet-lock"))
+    assert code != 0
+    lines = error_lines(log)
+    assert len(lines) == 1, log[-4000:]
+    assert f"saving the checkpoint of step 4 to {mount / 'ckpt' / 'step-000000004'} failed" in lines[0]
+    assert f"the last good checkpoint is {mount / 'ckpt' / 'step-000000002'} (step 2), intact" in lines[0]
+    assert "the file system is full (" in lines[0] and "enforce fail" not in lines[0]
+    assert left == ["latest", "step-000000002"], left  # no partial .tmp-step-000000004
+    assert attempts(log) == 1, log[-4000:]  # deterministic: no restart loop
+
+
+# --- two jobs, one directory ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.elastic
+def test_a_second_job_on_a_live_jobs_directory_is_refused_and_takes_over_once_that_job_is_killed(tmp_path):
+    """Before: the second job resumed the first's live checkpoint and both committed the same steps over each other."""
+    shared = tmp_path / "ckpt"
+    first = tmp_path / "first"
+    first.mkdir()
+    proc = torchrun(first, "--ckpt", str(shared), "--steps", "400", "--every", "2", "--sleep", "0.2")
+    try:
+        deadline = time.monotonic() + 120
+        while not committed(shared):
+            assert time.monotonic() < deadline and proc.poll() is None, (first / "job.log").read_text()[-3000:]
+            time.sleep(0.2)
+        second = tmp_path / "second"
+        second.mkdir()
+        refused = single(second, "--ckpt", str(shared), "--steps", "4")
+        assert refused.returncode == 2, refused.stdout[-3000:]
+        lines = error_lines(refused.stdout)
+        assert len(lines) == 1 and "is in use by another job" in lines[0] and "pid " in lines[0], refused.stdout[-3000:]
+        assert not (second / "final.pt").exists()
+        assert proc.poll() is None  # the first job trains on, undisturbed
+    finally:
+        kill_family(proc)  # SIGKILL: its lock stays behind, held by a dead process
+        finish(proc, timeout=30)
+    newest = committed(shared)[0]
+    taker = torchrun(second, "--ckpt", str(shared), "--steps", str(int(newest.name[-9:]) + 2), log="take.log")
+    assert finish(taker, timeout=120) == 0, (second / "take.log").read_text()[-3000:]
+    log = (second / "take.log").read_text()
+    assert "took over the lock of checkpoint directory" in log and "its process is gone" in log
+    result = torch.load(second / "final.pt", weights_only=False)
+    assert result["resumed_from"] == str(newest)  # it continued the first job's newest checkpoint
+    assert not (shared / LOCK).exists()  # released at the end of fit
+
+
+# --- data-order seed ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.multiprocess
+def test_ranks_seeded_apart_read_every_sample_once_and_the_manifest_records_the_seed_used(tmp_path):
+    """seed_everything(seed + rank), a common pattern: before, each rank drew the global order from its own seed (64 reads
+    of 45 distinct samples in one epoch) while the manifest recorded, and a resume compared, rank 0's seed only."""
+    done = run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
+                f"--master-port={free_port()}", str(WORKER), "--dir", str(tmp_path), "--seed", "3", "--rank-seeds",
+                "--steps", "8", "--every", "8"], worker_env(tmp_path), 150)
+    assert done.returncode == 0, done.stdout[-3000:]
+    seen = [i for rank in (0, 1) for line in (tmp_path / f"consumed-rank{rank}.jsonl").read_text().splitlines()
+            for i in json.loads(line)["indices"]]
+    assert len(seen) == 64 and sorted(seen) == list(range(64))
+    manifest = Manifest.from_json((committed(tmp_path / "ckpt")[0] / MANIFEST).read_bytes())
+    assert manifest.data_seed == 3
