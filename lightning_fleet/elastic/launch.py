@@ -40,6 +40,7 @@ import re
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -432,11 +433,22 @@ def _run_torchrun(args: list[str], stop_file: Path) -> int:
                 print(root_cause_line(err), flush=True)
                 return 1
             if isinstance(err, SignalException):
-                return _stopped_by_signal(err.sigval, exits[-1] if exits else {})
+                _exit_at_once(_stopped_by_signal(err.sigval, exits[-1] if exits else {}), stop_file.parent)
             first = str(err).strip().splitlines()
             print(f"fleet launch: {type(err).__name__}: {first[0] if first else ''}", flush=True)
             return 1
     return 0
+
+
+def _exit_at_once(code: int, tmp: Path) -> None:
+    """End the launcher now with ``code``. After a signal torchrun leaves the rendezvous as it is (torch/distributed/
+    run.py ``launch_agent`` skips its shutdown so that other agents may go on) and with it the handler's keep-alive
+    thread, whose finalizer then fails at interpreter exit with a traceback ("cannot join current thread", measured
+    here after the one line of a SIGTERM); nothing else is left to clean up but the stop file's directory."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def root_cause_line(error: Any) -> str:
