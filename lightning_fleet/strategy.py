@@ -332,6 +332,9 @@ class FleetStrategy(DeepSpeedStrategy):
             return
         with deterministic_errors():  # every attempt of this job would raise them again: no restart loop
             _check_trainer_flags(trainer)
+            refusal = self.backend.precision_refusal(str(trainer.precision), self.root_device.type)
+            if refusal is not None:
+                raise FleetError(refusal)
             fit = self._fit
             seed = self.broadcast(_sampler_seed())  # rank 0's: ranks seeded apart (seed + rank) still read one order
             fit.facts = job_facts(self.lightning_module, global_batch_size=self.options.global_batch_size, data_seed=seed)

@@ -32,6 +32,7 @@ from lightning_fleet.elastic.layout import EXPORT_LAYOUT
 from lightning_fleet.export import export_checkpoint, export_state_dict, lightning_checkpoint
 from lightning_fleet.planning import FleetError
 from lightning_fleet.runtime.deepspeed.reader import _wrapper_merge
+from tests.hardware import needs_fp16, runs_here
 from tests.multiprocess import ROOT, run, worker_env
 from tests.reference import reference_run
 from tests.workers.train_gpt import DATA, SIZES, eval_batch
@@ -61,11 +62,21 @@ PLANS = [
     "16-mixed@dp=1,pp=2,zero=0",
 ]
 WIDE_PLANS = ["dp=2,tp=2,zero=3", "dp=2,pp=2,zero=1", "16-mixed@dp=2,pp=2,zero=0"]
-RUNS = [(2, i, p) for i, p in enumerate(PLANS)] + [(4, i, p) for i, p in enumerate(WIDE_PLANS)]
-RUN_IDS = [f"{world}x-{plan}" for world, _, plan in RUNS]
+LAUNCHED = {2: [p for p in PLANS if runs_here(p)], 4: [p for p in WIDE_PLANS if runs_here(p)]}
+"""The plans each job trains: those this CPU runs (fp16 needs fp16 kernels, tests/hardware.py)."""
+RUNS = [(2, p) for p in PLANS] + [(4, p) for p in WIDE_PLANS]
+RUN_IDS = [f"{world}x-{plan}" for world, plan in RUNS]
+
+
+def _params(keep) -> list:  # type: ignore[no-untyped-def]
+    """The runs ``keep(plan)`` selects; one this CPU cannot train is skipped with the reason."""
+    return [pytest.param(w, p, id=i, marks=() if runs_here(p) else needs_fp16) for (w, p), i in zip(RUNS, RUN_IDS) if keep(p)]
+
+
+ALL_RUNS = _params(lambda plan: True)
 # fp32 runs of the plain GPT (and PathGPT, the same weights): comparable with the one-process fp32 reference
-GPT_RUNS = [pytest.param(*r, id=i) for r, i in zip(RUNS, RUN_IDS) if not r[2].startswith("tied:") and "@" not in r[2]]
-MIXED_RUNS = [pytest.param(*r, id=i) for r, i in zip(RUNS, RUN_IDS) if "@" in r[2]]
+GPT_RUNS = _params(lambda plan: not plan.startswith("tied:") and "@" not in plan)
+MIXED_RUNS = _params(lambda plan: "@" in plan)
 
 
 def _launch(tmp: Path, plans: list[str], devices: int) -> list[dict]:
@@ -85,7 +96,7 @@ def _launch(tmp: Path, plans: list[str], devices: int) -> list[dict]:
 def jobs(tmp_path_factory) -> dict[int, tuple[Path, list[dict]]]:
     """World size -> (save directory, per-plan results)."""
     narrow, wide = tmp_path_factory.mktemp("narrow"), tmp_path_factory.mktemp("wide")
-    return {2: (narrow / "saves", _launch(narrow, PLANS, 2)), 4: (wide / "saves", _launch(wide, WIDE_PLANS, 4))}
+    return {2: (narrow / "saves", _launch(narrow, LAUNCHED[2], 2)), 4: (wide / "saves", _launch(wide, LAUNCHED[4], 4))}
 
 
 @pytest.fixture(scope="module")
@@ -99,8 +110,9 @@ def reference():
         return state, model(x)
 
 
-def _run(jobs, world: int, index: int) -> tuple[Path, dict]:
+def _run(jobs, world: int, plan: str) -> tuple[Path, dict]:
     saves, results = jobs[world]
+    index = LAUNCHED[world].index(plan)
     return saves / str(index), results[index]
 
 
@@ -116,11 +128,11 @@ def _sources(where: Path) -> dict[str, Path]:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(("world", "index", "plan"), RUNS, ids=RUN_IDS)
-def test_export_equals_live_weights(jobs, world, index, plan):
+@pytest.mark.parametrize(("world", "plan"), ALL_RUNS)
+def test_export_equals_live_weights(jobs, world, plan):
     """Every way to point at the checkpoint gives the live full weights at that step, bit for bit, in the original
     module's key order, fp32."""
-    where, result = _run(jobs, world, index)
+    where, result = _run(jobs, world, plan)
     live = result["live"]
     assert [k for k, _, _ in result["recorded"]] == list(live)
     assert result["global_step"] == STEPS or "pp=2" in plan  # (the pipeline path counts its steps elsewhere)
@@ -133,21 +145,21 @@ def test_export_equals_live_weights(jobs, world, index, plan):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(("world", "index", "plan"), GPT_RUNS)
-def test_export_matches_single_process_reference(jobs, reference, world, index, plan):
+@pytest.mark.parametrize(("world", "plan"), GPT_RUNS)
+def test_export_matches_single_process_reference(jobs, reference, world, plan):
     """The exported weights are the one-process reference's after the same steps (only summation order differs)."""
-    where, _ = _run(jobs, world, index)
+    where, _ = _run(jobs, world, plan)
     exported = export_state_dict(_sources(where)["step dir"])
     for key, tensor in reference[0].items():
         torch.testing.assert_close(exported[key], tensor, atol=2e-5, rtol=0, msg=f"{plan}: {key}")
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(("world", "index", "plan"), RUNS, ids=RUN_IDS)
-def test_restored_module_is_the_plain_original_with_trained_weights(jobs, reference, world, index, plan):
+@pytest.mark.parametrize(("world", "plan"), ALL_RUNS)
+def test_restored_module_is_the_plain_original_with_trained_weights(jobs, reference, world, plan):
     """After restore_module: original module types, keys, shapes and dtypes; no DeepSpeed attribute, hook or
     parameter subclass; the user's own hook kept and working; the same weights on every rank; the reference output."""
-    _, result = _run(jobs, world, index)
+    _, result = _run(jobs, world, plan)
     assert result["keys"] == result["recorded"]
     assert set(result["module_packages"]) <= {"examples", "tests", "torch"}  # no deepspeed.* module left in the tree
     assert result["ds_attributes"] == [] and result["tensor_attributes"] == []
@@ -163,13 +175,13 @@ def test_restored_module_is_the_plain_original_with_trained_weights(jobs, refere
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(("world", "index", "plan"), MIXED_RUNS)
-def test_mixed_precision_exports_the_fp32_masters(jobs, world, index, plan):
+@pytest.mark.parametrize(("world", "plan"), MIXED_RUNS)
+def test_mixed_precision_exports_the_fp32_masters(jobs, world, plan):
     """Under bf16-mixed / 16-mixed the export (live and offline) is DeepSpeed's fp32 master of every parameter, bit for
     bit, read by the worker straight from DeepSpeed's optimizer, wherever it keeps them: ZeRO-0's FP16_UnfusedOptimizer
     wrapper (dp, tp, pp under fp16), ZeRO-1's and the bf16 pipeline's BF16_Optimizer. Not the low-precision weights the
     module trained with, which are the masters rounded."""
-    where, result = _run(jobs, world, index)
+    where, result = _run(jobs, world, plan)
     masters, low, live = result["masters"], result["low_precision"], result["live"]
     assert set(masters) == set(live)  # every tensor of the GPT is a trainable parameter
     low_dtype = torch.bfloat16 if plan.startswith("bf16") else torch.float16
@@ -184,11 +196,11 @@ def test_mixed_precision_exports_the_fp32_masters(jobs, world, index, plan):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(("world", "index", "plan"), RUNS, ids=RUN_IDS)
-def test_save_after_restore_writes_the_same_checkpoint(jobs, world, index, plan):
+@pytest.mark.parametrize(("world", "plan"), ALL_RUNS)
+def test_save_after_restore_writes_the_same_checkpoint(jobs, world, plan):
     """The engine keeps a mirror of the tree it trained: saving after the restore writes the same files and tensors
     (optimizer states included), so a resume from it continues exactly."""
-    where, _ = _run(jobs, world, index)
+    where, _ = _run(jobs, world, plan)
     before, after = where / "before" / "checkpoint", where / "after" / "checkpoint"
     names = sorted(p.name for p in before.iterdir())
     assert names == sorted(p.name for p in after.iterdir())
@@ -240,17 +252,18 @@ def test_exported_file_loads_without_lightning_fleet(jobs, tmp_path):
     """export_checkpoint -> one file: MyModule.load_from_checkpoint and torch.load(weights_only=True) read it in a
     fresh process that never imports lightning_fleet, and the model computes what the restored module computed."""
     files = {}
-    for world, index, plan in RUNS:
-        where, _ = _run(jobs, world, index)
-        files[f"{world}x-{plan}"] = str(export_checkpoint(_sources(where)["step dir"], tmp_path / f"{world}-{index}.ckpt"))
+    trained = [(world, plan, name) for (world, plan), name in zip(RUNS, RUN_IDS) if runs_here(plan)]
+    for world, plan, name in trained:
+        where, _ = _run(jobs, world, plan)
+        files[name] = str(export_checkpoint(_sources(where)["step dir"], tmp_path / f"{len(files)}.ckpt"))
     x, _ = eval_batch(StdlibText(**DATA))
     torch.save(x, tmp_path / "x.pt")
     done = run([sys.executable, "-c", CHILD, str(tmp_path / "x.pt"), json.dumps(files)], worker_env(tmp_path), timeout=120)
     assert done.returncode == 0, done.stdout[-4000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report.pop("imported lightning_fleet") is False
-    for (world, index, plan), name in zip(RUNS, RUN_IDS):
-        entry, (_, result) = report[name], _run(jobs, world, index)
+    for world, plan, name in trained:
+        entry, (_, result) = report[name], _run(jobs, world, plan)
         assert entry["same"] and entry["hparams"]["hidden_size"] == SIZES["hidden_size"]
         if plan.startswith("path:"):  # a Path hyper-parameter is written as str: plain torch reads the file
             assert entry["hparams"]["data_dir"] == "/data/corpus"
@@ -263,9 +276,9 @@ def test_exported_file_loads_without_lightning_fleet(jobs, tmp_path):
 # --- broken input: one clear line -------------------------------------------------------------------
 
 
-def _copy(jobs, tmp_path: Path, source: str, index: int = PLANS.index("dp=1,tp=2,zero=3")) -> Path:
+def _copy(jobs, tmp_path: Path, source: str, plan: str = "dp=1,tp=2,zero=3") -> Path:
     target = tmp_path / source.replace(" ", "-")
-    shutil.copytree(_sources(_run(jobs, 2, index)[0])[source], target)
+    shutil.copytree(_sources(_run(jobs, 2, plan)[0])[source], target)
     return target
 
 
@@ -302,7 +315,7 @@ def test_tampered_and_partial_checkpoints_are_one_clear_error(jobs, tmp_path):
 def test_fleet_export_command(jobs, tmp_path, capsys):
     """`fleet export CHECKPOINT --out FILE` writes the file and says so in one line; bad input is one
     `fleet: error: ...` line and exit code 2."""
-    source = _sources(_run(jobs, 2, PLANS.index("dp=1,pp=2,zero=1"))[0])["FleetCheckpoint dir"]
+    source = _sources(_run(jobs, 2, "dp=1,pp=2,zero=1")[0])["FleetCheckpoint dir"]
     assert cli.main(["export", str(source), "--out", str(tmp_path / "out" / "gpt.ckpt")]) == 0
     printed = capsys.readouterr().out.strip().splitlines()
     assert len(printed) == 1 and printed[0].startswith(f"{tmp_path / 'out' / 'gpt.ckpt'}: 37 tensors")
@@ -342,7 +355,7 @@ def test_path_hyperparameter_is_read_and_written_as_str(jobs):
     """A pathlib.Path among the hyper-parameters (what LightningCLI passes for a path argument) unpickles as
     PosixPath(*parts), string parsing only: the resume screen and the export admit it; the exported dict holds it as
     str (plain torch reads the file with weights_only=True; see test_exported_file_loads_without_lightning_fleet)."""
-    step = _sources(_run(jobs, 2, PLANS.index("path:dp=2,zero=2"))[0])["step dir"]
+    step = _sources(_run(jobs, 2, "path:dp=2,zero=2")[0])["step dir"]
     states = load_file(step / "state" / "checkpoint" / "mp_rank_00_model_states.pt")  # the restricted unpickler admits it
     assert states["hyper_parameters"]["data_dir"] == Path("/data/corpus")
     payload = lightning_checkpoint(step)
@@ -354,7 +367,7 @@ def test_path_hyperparameter_is_read_and_written_as_str(jobs):
 def test_a_refused_global_is_named_not_called_corruption(jobs, tmp_path):
     """A class outside the allowlist in a pickle (an Enum hyper-parameter) is one line naming the global, the file and
     what to do; torch's multi-line coloured message never shows. A truncated file is still called damaged."""
-    saved = _copy(jobs, tmp_path, "save before restore", PLANS.index("dp=2,zero=2"))
+    saved = _copy(jobs, tmp_path, "save before restore", "dp=2,zero=2")
     states = saved / "checkpoint" / "mp_rank_00_model_states.pt"
     content = torch.load(states, weights_only=False)  # our own test file
     content["hyper_parameters"]["colour"] = Colour.RED

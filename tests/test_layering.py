@@ -48,10 +48,7 @@ HEAVY = frozenset({"torch", "lightning", "pytorch_lightning", "lightning_fabric"
 
 DEEPSPEED_HOME = "lightning_fleet.runtime.deepspeed"
 """The only package that imports ``deepspeed``."""
-DEEPSPEED_ELSEWHERE = {
-    "lightning_fleet.calibrate.command": "loads DeepSpeed before measuring, so the memory baseline is a training "
-                                         "process's (its import alone; it drives nothing of DeepSpeed)",
-}
+DEEPSPEED_ELSEWHERE: dict[str, str] = {}
 """Known exceptions to DEEPSPEED_HOME, each with its reason; remove an entry when its module stops importing deepspeed."""
 
 STRATEGY = "lightning_fleet.strategy"

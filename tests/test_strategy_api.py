@@ -280,3 +280,22 @@ def test_bf16_true_evaluates(after_fit):
         trainer.fit(module, **data)
     (metrics,) = trainer.validate(module, dataloaders=data["val_dataloaders"], verbose=False)
     assert metrics["val_loss"] > 0
+
+
+@pytest.mark.unit
+def test_half_precision_the_device_cannot_run_is_refused_before_training_or_trains():
+    """precision="16-mixed" where DeepSpeed has no fp16 kernels (e.g. an AMD EPYC CPU) is one line before the fit starts
+    (its engine would raise "Type fp16 is not supported on your device" inside setup); where it has them, it trains."""
+    from tests.hardware import FP16
+
+    module = GPT(num_layers=2, hidden_size=32, num_heads=4, seq_length=32)
+    before = [p.detach().clone() for p in module.parameters()]
+    if FP16:
+        assert fit("fleet", module, precision="16-mixed").global_step == 1
+        return
+    with pytest.raises(FleetError) as err:
+        fit("fleet", module, precision="16-mixed")
+    line = one_line(err)
+    assert "precision='16-mixed' trains in fp16, which DeepSpeed cannot run on this cpu device" in line
+    assert "use precision='bf16-mixed' or '32-true'" in line
+    assert all(torch.equal(a, b) for a, b in zip(before, module.parameters()))

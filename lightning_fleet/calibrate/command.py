@@ -24,6 +24,7 @@ from lightning_fleet.calibrate.probe import quiet_output, with_framework_overhea
 from lightning_fleet.planning import ClusterSpec, LinkSpec
 from lightning_fleet.planning.cluster import ATTENTION_EFFICIENCY_MAX
 from lightning_fleet.planning.time import FUSED_ATTENTION_BACKWARD
+from lightning_fleet.runtime.deepspeed.backend import DeepSpeedBackend
 
 def main(argv: list[str] | None = None) -> None:
     """``python -m lightning_fleet.calibrate.command --out FILE``: measure this machine (alone, or every rank of a
@@ -36,8 +37,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-framework", action="store_true", help="skip the framework probe (Lightning + DeepSpeed)")
     args = parser.parse_args(argv)
     with quiet_output():  # DeepSpeed's accelerator warning on import, gloo's messages on init
-        import deepspeed  # noqa: F401  (a training process has these loaded: the memory baseline must include them)
-        import lightning.pytorch  # noqa: F401
+        import lightning.pytorch  # noqa: F401  (a training process has these loaded: the memory baseline must include them)
+
+        DeepSpeedBackend().preload()
 
         world = int(os.environ.get("WORLD_SIZE", "1"))
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))

@@ -296,6 +296,15 @@ class Backend(Protocol):
         """The runtime's configuration of ``plan`` (``universal``: it will load a resharded checkpoint)."""
         ...
 
+    def preload(self) -> None:
+        """Import the runtime's packages, as a training process has them loaded (a memory baseline is measured after)."""
+        ...
+
+    def precision_refusal(self, precision: str, device_type: str) -> str | None:
+        """One line when the runtime cannot train the Lightning ``precision`` on this kind of device (checked before the
+        fit starts), else None."""
+        ...
+
     def process_globals(self) -> Iterable[tuple[Any, str]]:
         """Process-wide (object, attribute) pairs the runtime may replace while it builds an engine (put back after fit)."""
         ...

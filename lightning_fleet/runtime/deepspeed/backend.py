@@ -17,7 +17,7 @@ import torch
 
 from lightning_fleet.elastic.checkpoint import VerifiedCheckpoint
 from lightning_fleet.elastic.layout import TAG, state_dir, universal_dir
-from lightning_fleet.planning import FleetError, Plan, Recompute, parse_plan
+from lightning_fleet.planning import FleetError, Plan, Precision, Recompute, parse_plan
 from lightning_fleet.runtime.base import Capabilities, TensorParallelSpec
 from lightning_fleet.runtime.deepspeed.capabilities import DEEPSPEED
 from lightning_fleet.runtime.deepspeed.checked_engine import checked_loads
@@ -46,6 +46,30 @@ class DeepSpeedBackend:
         if universal:
             config["checkpoint"] = {"load_universal": True}
         return config
+
+    def preload(self) -> None:
+        """Import DeepSpeed, as a training process has it loaded (``fleet calibrate`` measures its memory baseline after it)."""
+        import deepspeed  # noqa: F401
+
+    def precision_refusal(self, precision: str, device_type: str) -> str | None:
+        """One line when DeepSpeed cannot train the Lightning ``precision`` on this kind of device, else None.
+
+        Its engine refuses a half type the accelerator lacks ("Type fp16 is not supported on your device",
+        deepspeed/runtime/engine.py ``_do_sanity_check``), after Lightning started the fit; on a CPU, fp16 needs oneDNN's
+        fp16 kernels (``torch.ops.mkldnn._is_mkldnn_fp16_supported()``: AVX512-FP16 or AMX-FP16, which e.g. AMD EPYC
+        lacks; deepspeed/accelerator/cpu_accelerator.py ``is_fp16_supported``)."""
+        from deepspeed.accelerator import get_accelerator
+
+        dtype = Precision.from_lightning(precision).compute_dtype
+        accelerator = get_accelerator()
+        supported = {"fp16": accelerator.is_fp16_supported, "bf16": accelerator.is_bf16_supported}.get(dtype, lambda: True)()
+        if supported:
+            return None
+        return (
+            f"precision={precision!r} trains in {dtype}, which DeepSpeed cannot run on this {device_type} device (its "
+            f"accelerator '{accelerator.device_name()}' has no {dtype} kernels here): use precision='bf16-mixed' or "
+            f"'32-true' with strategy 'fleet'"
+        )
 
     def process_globals(self) -> Iterable[tuple[Any, str]]:
         """Process-wide attributes an engine may replace, for the caller to put back: ZeRO-3 replaces
