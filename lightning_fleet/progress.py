@@ -1,7 +1,8 @@
 """FleetProgress: what a FleetStrategy job shows while it trains and when it ends (rank 0 only), and the measured
 against predicted step time it logs (``fleet/measured_step_s``, ``fleet/predicted_step_s``).
 
-Every ``Trainer(log_every_n_steps)`` optimizer steps, when the Trainer has no progress bar, one line:
+Every ``Trainer(log_every_n_steps)`` optimizer steps, when the Trainer has no progress bar, one line (after the
+validation that follows the step, if one does, so its ``val_loss`` is that step's):
 
     lightning_fleet: step 30/60  loss 2.413  val_loss 2.398  0.271 s/step (predicted 0.275, 0.99x)  eta 8 s
 
@@ -53,10 +54,11 @@ class FleetProgress(Callback):
         self._started = 0.0
         self._last = 0.0
         self._first_step = 0
+        self._line_due = False
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         """Start the clock of this fit."""
-        self.step_seconds, self.last_loss = [], None
+        self.step_seconds, self.last_loss, self._line_due = [], None, False
         self._started = self._last = time.perf_counter()
         self._first_step = trainer.global_step
 
@@ -72,6 +74,20 @@ class FleetProgress(Callback):
         self.last_loss = loss_of(outputs, trainer.callback_metrics)
         every = max(1, int(trainer.log_every_n_steps or 50))
         if trainer.progress_bar_callback is None and trainer.global_step % every == 0:
+            self._line_due = True  # printed once this step's validation, if one follows it, has logged its loss
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        """Print the previous step's line if no validation came after it."""
+        self._print_due_line(trainer)
+
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        """Print the line of the step this validation ran after, with its loss (not the previous validation's)."""
+        if not trainer.sanity_checking:
+            self._print_due_line(trainer)
+
+    def _print_due_line(self, trainer: Any) -> None:
+        if self._line_due:
+            self._line_due = False
             print(self._line(trainer), flush=True)
 
     def _log_metrics(self, trainer: Any, pl_module: Any) -> None:
@@ -116,9 +132,10 @@ class FleetProgress(Callback):
         return "  ".join(p for p in parts if p)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-        """Rank 0: the summary of this fit."""
+        """Rank 0: the last step's line if still due, then the summary of this fit."""
         if not trainer.is_global_zero or not self.lines:
             return
+        self._print_due_line(trainer)
         steps = trainer.global_step - self._first_step
         plan = getattr(trainer.strategy, "plan", None)
         samples = f" ({steps * plan.global_batch_size} samples)" if plan is not None else ""
