@@ -71,12 +71,20 @@ def test_plan_json_lists_plans_rejections_and_search(capsys):
 
 
 @pytest.mark.pure
-def test_plan_table_and_plot(capsys, tmp_path):
-    """Without --json a readable table; --plot writes a PNG."""
-    png = tmp_path / "plan.png"
-    code, out, _ = run_cli(capsys, "plan", "--model", "gpt-1.7b", "--cluster", "dgx-a100-80gb", "--top", "2", "--plot", str(png))
+def test_plan_table(capsys):
+    """Without --json a readable table."""
+    code, out, _ = run_cli(capsys, "plan", "--model", "gpt-1.7b", "--cluster", "dgx-a100-80gb", "--top", "2")
     assert code == 0
     assert "candidates" in out and "step s" in out and "dp=" in out
+
+
+@pytest.mark.pure
+def test_plan_plot(capsys, tmp_path):
+    """--plot writes a PNG (matplotlib is the optional ``plot`` extra)."""
+    pytest.importorskip("matplotlib", reason="--plot needs the plot extra (matplotlib)")
+    png = tmp_path / "plan.png"
+    code, out, _ = run_cli(capsys, "plan", "--model", "gpt-1.7b", "--cluster", "dgx-a100-80gb", "--top", "2", "--plot", str(png))
+    assert code == 0 and f"plot written to {png}" in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
