@@ -54,6 +54,7 @@ from lightning_fleet.elastic.worker import (  # noqa: E402
     announce_launch_advice,
     deterministic,
     deterministic_errors,
+    destroy_groups_at_exit,
     die_with_agent,
     install_error_hook,
     open_process_group,
@@ -277,6 +278,7 @@ class FleetStrategy(DeepSpeedStrategy):
         self._supervise()
         device = self.root_device if self.root_device.type == "cuda" else None
         open_process_group(self._get_process_group_backend(), self.global_rank, self.world_size, self._timeout, device_id=device)
+        destroy_groups_at_exit()
         with noise.without_banner():
             super()._init_deepspeed_distributed()
         install_error_hook()

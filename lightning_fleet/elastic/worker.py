@@ -26,6 +26,8 @@ otherwise leaves its workers training unsupervised, their saves racing the relau
 a helper subprocess die with its parent, and :func:`strict_sigterm_broadcast` replaces Lightning's per-step SIGTERM
 broadcast, which swallows a timed-out collective, with one that fails the step with :func:`peer_lost`'s line.
 :func:`install_error_hook` also writes torchrun's error file, so that ``fleet launch`` names the root cause.
+:func:`destroy_groups_at_exit` destroys the process groups at the exit of a job that raised nothing (a gloo group left
+to the interpreter's teardown can abort a finished job).
 
 Imports torch.distributed (at call time) and the planning core's errors; imported by the strategy, elastic/launch.py,
 callback.py and safe_load.py (the error marks), and the DeepSpeed runtime's universal conversion.
@@ -350,6 +352,8 @@ def install_error_hook() -> None:
         _parent_at_install = os.getppid()
 
     def hook(kind: type[BaseException], error: BaseException, traceback: Any) -> None:
+        global _exit_after_error
+        _exit_after_error = True  # (destroy_groups_at_exit) a peer may still be in a collective with this rank
         write_error_file(error, traceback)
         if isinstance(error, FleetError):
             end_job(error)
@@ -442,3 +446,34 @@ def write_error_file(error: BaseException, traceback: Any) -> None:
                                       "timestamp": str(int(time.time()))}}}
     with contextlib.suppress(OSError):
         Path(path).write_text(json.dumps(data))
+
+
+# --- a clean exit -------------------------------------------------------------------------------------
+
+_exit_registered = False
+_exit_after_error = False
+
+
+def destroy_groups_at_exit() -> None:
+    """At interpreter exit, destroy the process groups of a job whose main thread raised nothing (idempotent).
+
+    A process that exits with its gloo group alive leaves the group's C++ worker threads to the interpreter's
+    teardown: when a module dict is cleared before ``ProcessGroupGloo``'s destructor joins them, a joinable
+    ``std::thread`` is destroyed and the process aborts after a finished fit ("terminate called without an active
+    exception", exit -6; pytorch/pytorch#65231, whose fix was an explicit ``destroy_process_group()``, and #190489).
+    After an uncaught exception the groups are left alone: a peer may still be inside a collective with this rank,
+    and destroying then can block (pytorch/torchtitan#1342 destroys only after a clean exit)."""
+    global _exit_registered
+    if not _exit_registered:
+        _exit_registered = True
+        import atexit
+
+        atexit.register(_destroy_groups_unless_failed)
+
+
+def _destroy_groups_unless_failed() -> None:
+    dist = sys.modules.get("torch.distributed")
+    if _exit_after_error or dist is None or not dist.is_available() or not dist.is_initialized():
+        return
+    with contextlib.suppress(Exception):  # exiting anyway: a group that cannot be destroyed is left to the OS
+        dist.destroy_process_group()
