@@ -428,7 +428,10 @@ def _run(argv: Sequence[str] | None) -> int:
         return _export(args)
     fixed = parse_partial_plan(args.fix) if args.command == "plan" else PartialPlan()  # a bad --fix fails before any build
     if getattr(args, "plot", None):
+        from lightning_fleet.plotting import check_plot_path
+
         _check_output_path(args.plot, "--plot")
+        check_plot_path(args.plot)
     job = _load(args)
     model, cluster = job.model, job.cluster
     runtime = capabilities_of(args.runtime)

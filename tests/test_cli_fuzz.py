@@ -110,6 +110,9 @@ SAYS = {"huge": "at line", "alias-bomb": "aliases expand it", "deep": "nest"}
 """What the line says instead of the key, for replacements the YAML loader refuses (it names the line and column)."""
 NUMBER_VALUE = {"arabic-digits": "١٢", "fullwidth-digits": "１２", "negative": -1, "nan": float("nan"), "text": "12abc"}
 """Replacements that no number field of a spec accepts (all are counts, sizes, rates or non-negative constants)."""
+NAME_VALUE = {"nul": "gpt\x00tiny", "escape": "\x1b[2Jcleared", "newline": "two\nlines", "blank": "  ", "100kB": "x" * 100_000}
+"""Replacements that no name (a label printed in reports) accepts: control characters, nothing, or 100 kB (whose table
+title took 84 s to print before issue 22)."""
 
 
 def spec_cases(kind: str, data: dict[str, Any], keys_required: set[str]) -> list[Case]:
@@ -129,7 +132,8 @@ def spec_cases(kind: str, data: dict[str, Any], keys_required: set[str]) -> list
     for path in leaves(data):
         where = ".".join(map(str, path))
         numeric = isinstance(data_at(data, path), (int, float)) and not isinstance(data_at(data, path), bool)
-        for label, value in {**ANY_VALUE, **(NUMBER_VALUE if numeric else {})}.items():
+        named = path == ("name",)
+        for label, value in {**ANY_VALUE, **(NUMBER_VALUE if numeric else {}), **(NAME_VALUE if named else {})}.items():
             add(f"{where}/{label}", render(replaced(data, path, value)), SAYS.get(label, str(path[-1])))
     for key in data:
         add(f"{key}/given-twice", render(data) + yaml.safe_dump({key: data[key]}, sort_keys=False), f"key {key!r} is given twice")
@@ -206,7 +210,8 @@ def option_cases() -> list[Case]:
         "unknown-key": plan_text() + ",flavour=3", "dp_mbs-zero": "dp=2,mbs=1,dp_mbs=0/0",
         "stage_layers-arabic": "dp=2,stage_layers=١/2",
         "sp-maybe": plan_text() + ",sp=maybe", "order-twice": plan_text() + ",order=dp-dp-pp", "huge-dp": "dp=" + "9" * 5000,
-        "recompute-bogus": plan_text() + ",recompute=most",
+        "recompute-bogus": plan_text() + ",recompute=most", "empty-items": plan_text() + ",,,,",
+        "trailing-comma": plan_text() + ",",
     }
     for label, text in plans.items():
         cases.append(Case(f"estimate/--plan/{label}", ("estimate", *specs, "--plan", text)))
@@ -216,6 +221,12 @@ def option_cases() -> list[Case]:
         cases.append(Case(f"plan/--overlaps/{label}", ("plan", *specs, "--overlaps", value)))
     cases.append(Case("plan/--plot/missing-dir", ("plan", *specs, "--plot", "{dir}/no/such/dir/plot.png"), names="--plot"))
     cases.append(Case("plan/--plot/directory", ("plan", *specs, "--plot", "{dir}"), names="--plot"))
+    cases.append(Case("plan/--plot/unsupported-extension", ("plan", *specs, "--plot", "{dir}/p.txt"), names="--plot"))
+    cases.append(Case("plan/--plot/no-extension", ("plan", *specs, "--plot", "{dir}/plot"), names="--plot"))
+    cases.append(Case("plan/--fix/empty-items", ("plan", *specs, "--fix", "dp=2,,,,"), names="empty item"))
+    for label, name in {"nul": "gpt-tiny\x00", "escape": "gpt-tiny\x1b[2J", "100kB": "m" * 100_000}.items():
+        cases.append(Case(f"plan/--model/{label}", ("plan", "--model", name, "--cluster", "cpu"), names="model file or preset"))
+        cases.append(Case(f"plan/--cluster/{label}", ("plan", "--model", "gpt-tiny", "--cluster", name), names="cluster file or preset"))
     cases.append(Case("plan/--runtime/bogus", ("plan", *specs, "--runtime", "bogus")))
     cases.append(Case("plan/--model-and-module", ("plan", *specs, "--module", "x:Y")))
     cases.append(Case("plan/--init-args/alias-bomb", ("plan", "--cluster", "cpu", "--module", "torch.nn.Linear",
@@ -287,7 +298,7 @@ def launch_cases() -> list[Case]:
 CASES = MODEL_CASES + CLUSTER_CASES + option_cases() + launch_cases()
 SUBPROCESS_CASES = ["model/num_layers/alias-bomb", "model/num_layers/deep", "model/file/fifo", "cluster/file/dev-zero",
                     "estimate/--plan/dp=zero", "plan/--nodes/huge", "calibrate/--timeout/nan", "launch/nproc=huge",
-                    "launch/missing-script"]
+                    "launch/missing-script", "model/name/100kB"]
 
 
 @pytest.fixture(scope="module")
@@ -368,6 +379,21 @@ def test_the_unmutated_files_plan(kind, data, tmp_path, capsys):
     argv = ["plan", "--model", model, "--cluster", cluster]
     assert main([*argv, "--json", "--top", "1"]) == 0, capsys.readouterr().err
     assert capsys.readouterr().out.startswith('{"plans": ')
+
+
+@pytest.mark.pure
+@pytest.mark.parametrize("case_id", ["model/name/100kB", "cluster/name/100kB", "plan/--model/100kB", "plan/--cluster/100kB"])
+def test_a_100kb_name_is_answered_within_a_second(case_id, files_dir, capsys):
+    """A 100 kB model or cluster name (in its file or as the --model/--cluster argument) is one line in under a second.
+    Before issue 22: the file's name was accepted and printed as the table's title in 84 s (rich's highlighting is
+    quadratic in it), the argument was an OSError traceback ("File name too long")."""
+    case = next(c for c in CASES if c.id == case_id)
+    started = time.monotonic()
+    code = main(resolved(case, files_dir))
+    seconds = time.monotonic() - started
+    out, err = capsys.readouterr()
+    check_line(case, code, out + err, seconds)
+    assert seconds < 1.0, f"{case_id}: {seconds:.2f} s"
 
 
 LAUNCHER = (

@@ -34,9 +34,11 @@ from typing import Any, Mapping
 from lightning_fleet.planning.errors import SpecError
 from lightning_fleet.planning.yamlspec import (
     check_keys,
+    check_source,
     dump_yaml,
     from_mapping,
     read_yaml,
+    require_name,
     require_non_negative,
     require_positive,
     shown,
@@ -448,6 +450,7 @@ class ClusterSpec:
     whose ranks run at different speeds); empty: every rank has its group's device."""
 
     def __post_init__(self) -> None:
+        require_name("cluster.", self.name)
         if not self.groups:
             raise SpecError("cluster needs at least one device group")
         if self.rank_devices and len(self.rank_devices) != self.world_size:
@@ -641,12 +644,13 @@ def _preset_dir(kind: str) -> Any:
 def _resolve(source: str | Path, kind: str, names: Any) -> Any:
     """A path as given, or the preset of that name; error lists the presets."""
     text = str(source)
+    singular = kind.removesuffix("s")
+    check_source(text, f"{singular} file or preset")
     if Path(text).is_file():
         return Path(text)
     preset = _preset_dir(kind) / f"{text}.yaml"
     if preset.is_file():
         return preset
-    singular = kind.removesuffix("s")
     if Path(text).exists():  # a directory, a FIFO, a device: never opened (a FIFO would block, /dev/zero fill memory)
         raise SpecError(f"{shown(text, 200)} is not a regular file and no {singular} preset has that name: give a YAML file")
     raise SpecError(f"no {singular} file or preset named {shown(text, 200)}; presets: {', '.join(names())}")

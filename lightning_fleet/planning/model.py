@@ -27,6 +27,7 @@ from lightning_fleet.planning.yamlspec import (
     from_mapping,
     read_yaml,
     require_at_most,
+    require_name,
     require_non_negative,
     require_positive,
     shown,
@@ -296,6 +297,7 @@ class ModelSpec:
     """Gradient copies per trainable parameter: working | fp32 | fp32+working (see :class:`GradAccumDtype`)."""
 
     def __post_init__(self) -> None:
+        require_name("model.", self.name)
         require_non_negative("model.", forward_ops=self.forward_ops, param_tensors=self.param_tensors)
         if self.tied_trainable_params is not None:
             require_non_negative("model.", tied_trainable_params=self.tied_trainable_params)
@@ -507,6 +509,7 @@ class TransformerSpec:
     """Samples per optimizer step."""
 
     def __post_init__(self) -> None:
+        require_name("model.", self.name)
         require_positive(
             "model.",
             num_layers=self.num_layers,

@@ -401,8 +401,14 @@ def _per_micro_step(fields: Mapping[str, object]) -> tuple[int, str]:
 
 
 def _split_plan(text: str) -> dict[str, object]:
+    """The ``key=value`` items of a plan string, each value parsed and range-checked; an empty string has none, and an
+    empty item (``dp=2,,tp=1``, a trailing comma) is refused, as every other item that is not key=value."""
     out: dict[str, object] = {}
-    for part in filter(None, (p.strip() for p in text.split(","))):
+    if not text.strip():
+        return out
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            raise PlanError(f"plan {shown(text)}: an empty item between commas; write key=value items separated by single commas")
         key, sep, value = part.partition("=")
         key, value = key.strip(), value.strip()
         if not sep or not value:

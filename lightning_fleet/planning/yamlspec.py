@@ -46,6 +46,13 @@ MAX_INT_DIGITS = 18
 """Most digits :func:`ascii_int` reads (below 2**63, what torch and DeepSpeed hold in an int64)."""
 SHOWN_CHARS = 80
 """Longest quotation of a user's value in an error line (:func:`shown`)."""
+MAX_NAME_CHARS = 200
+"""Longest model or cluster name: a label printed in reports and table titles (whose highlighting is quadratic in its
+length: a 100 kB name took 84 s to print), not data."""
+MAX_SOURCE_CHARS = 4096
+"""Longest spec file path or preset name given on the command line (Linux's PATH_MAX): longer is no file."""
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+"""Control characters (NUL, line breaks, escapes): never part of a name, a preset or a spec file path we accept."""
 
 
 class _Shown(reprlib.Repr):
@@ -306,6 +313,28 @@ def require_non_negative(where: str, **values: float) -> None:
     for name, value in values.items():
         if value < 0:
             raise SpecError(f"{where}{name} must be >= 0, got {shown(value)}")
+
+
+def require_name(where: str, name: Any) -> None:
+    """Raise SpecError unless ``name`` is a non-empty string of at most :data:`MAX_NAME_CHARS` characters without
+    control characters (a NUL, a line break or a terminal escape in a name would corrupt every report that prints it)."""
+    if not isinstance(name, str) or not name.strip():
+        raise SpecError(f"{where}name must be a non-empty string, got {shown(name)}")
+    if len(name) > MAX_NAME_CHARS:
+        raise SpecError(f"{where}name is {len(name):,} characters long, more than {MAX_NAME_CHARS}: give a short label")
+    control = _CONTROL.search(name)
+    if control:
+        raise SpecError(f"{where}name {shown(name)} holds the control character {control.group()!r}: give printable text")
+
+
+def check_source(text: str, what: str) -> None:
+    """Raise SpecError unless ``text`` can name a spec file or a preset: at most :data:`MAX_SOURCE_CHARS` characters and
+    no control character (checked before the file system is asked, which fails on such a path with an OSError)."""
+    if len(text) > MAX_SOURCE_CHARS:
+        raise SpecError(f"{what} {shown(text)} is {len(text):,} characters long, more than a path can be ({MAX_SOURCE_CHARS})")
+    control = _CONTROL.search(text)
+    if control:
+        raise SpecError(f"{what} {shown(text)} holds the control character {control.group()!r}: no file or preset has such a name")
 
 
 def require_at_most(where: str, bound: int, why: str, **values: int) -> None:
