@@ -68,7 +68,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.flop_counter import FlopCounterMode, flop_registry, sdpa_flop_count
 
 from lightning_fleet import rng
-from lightning_fleet.hooks import find_layers, tensor_parallel_hook
+from lightning_fleet.hooks import attention_shape, find_layers, tensor_parallel_hook
 from lightning_fleet.planning import BlockSpec, FleetError, ModelSpec, Precision, Role
 from lightning_fleet.planning.model import (
     CAUSAL_ATTENTION_SHARE,
@@ -1181,6 +1181,12 @@ def _tp_counts(layer: nn.Module, prefix: str, patterns: TensorParallelSpec | Non
     return row, column
 
 
+def _kv_heads(module: nn.Module) -> int | None:
+    """Key/value heads when they differ from the heads (grouped-query attention; the hook's or a config's), else None."""
+    shape = attention_shape(module)
+    return shape[1] if shape is not None and shape[1] != shape[0] else None
+
+
 def _merge_repeats(blocks: list[BlockSpec]) -> list[BlockSpec]:
     """Consecutive identical layers become one entry with a count."""
     out: list[BlockSpec] = []
@@ -1264,6 +1270,7 @@ def _to_model_spec(
         ),
         hidden_size=max(1, hidden),
         num_heads=tp[0] if tp else 1,
+        num_kv_heads=_kv_heads(module),
         seq_length=max(1, recorder.tokens // samples),
         precision=precision,
         global_batch_size=global_batch_size,
@@ -1339,6 +1346,7 @@ def _parameters_spec(
         blocks=(pre, *_merge_repeats(body), post),
         hidden_size=max(1, round(math.sqrt(body[0].params / 12))),
         num_heads=tp[0] if tp else 1,
+        num_kv_heads=_kv_heads(module),
         seq_length=tokens,
         precision=precision,
         global_batch_size=global_batch_size,
