@@ -4,11 +4,13 @@ out of the automatic plan (planning/search.py ``Constraints.tp_divides``).
 
 Hugging Face models are built from tiny configs, as users bring them: GPT-2's fused ``c_attn`` is a transformers
 ``Conv1D`` (weight stored in x out), Llama with one key/value head cannot give each of 2 ranks whole heads; both crashed
-inside DeepSpeed after the plan was accepted. Unit tier: modules built in this process, nothing started. The last test
-is pure (the decision, no torch).
+inside DeepSpeed after the plan was accepted. Unit tier: modules built in this process, nothing started; the decision
+test is pure (no torch); the last test is one real 2-process job that trains a splittable Llama and meets the refusal.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
@@ -18,6 +20,7 @@ from lightning_fleet.runtime.base import ModuleHooks, TensorParallelLimit
 from lightning_fleet.runtime.deepspeed.capabilities import DEEPSPEED
 from tests.conftest import make_cluster, make_model
 
+ROOT = Path(__file__).resolve().parents[1]
 LLAMA_TP = {"column": [r".*\.self_attn\.[qkv]_proj\.weight$", r".*\.mlp\.(up|gate)_proj\.weight$"],
             "row": [r".*\.self_attn\.o_proj\.weight$", r".*\.mlp\.down_proj\.weight$"]}
 GPT2_TP = {"column": [r".*\.attn\.c_attn\.weight$", r".*\.mlp\.c_fc\.weight$"],
@@ -154,3 +157,22 @@ def test_the_automatic_plan_never_chooses_a_degree_the_module_cannot_split() -> 
         decision((limit,), plan="tp=2")
     assert str(err.value) == ("plan tp=2: tp=2 cannot split model.layers.0.self_attn.k_proj: its 1 key/value head is not "
                               "divisible by tp=2; use tp=1")
+
+
+@pytest.mark.multiprocess
+def test_hugging_face_llama_at_tp2_trains_with_two_key_value_heads_and_is_refused_with_one(tmp_path) -> None:
+    """One 2-process job (Lightning's launcher), two fits at tp=2: with 2 key/value heads AutoTP splits every projection
+    and the weights after 3 steps equal a one-process run; with 1 the fit ends in the k_proj line before DeepSpeed."""
+    pytest.importorskip("transformers")
+    import torch
+
+    from tests.multiprocess import run_worker
+    from tests.workers.hf_tp import reference_state
+
+    (trained, refused), _ = run_worker(tmp_path, "--kv-heads", "2,1", worker=ROOT / "tests" / "workers" / "hf_tp.py")
+    reference = reference_state(2)
+    for name, tensor in reference.items():
+        torch.testing.assert_close(trained["state"][name], tensor, atol=2e-5, rtol=0, msg=name)
+    assert trained["local_params"] < 0.8 * sum(t.numel() for t in reference.values())  # the projections really split
+    assert refused == ("plan dp=1,tp=2,zero=0,mbs=8,gas=1: tp=2 cannot split model.model.layers.0.self_attn.k_proj: its 1 "
+                       "key/value head is not divisible by tp=2; use tp=1")
