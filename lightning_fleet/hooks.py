@@ -56,9 +56,11 @@ def _repeats_one_type(container: nn.Module) -> bool:
 def tensor_parallel_hook(module: nn.Module) -> tuple[int, TensorParallelSpec] | None:
     """``fleet_tensor_parallel()`` as (num_heads, patterns), or None when the module has no such hook."""
     spec = _tensor_parallel_answer(module)
-    if spec is None:
-        return None
-    return int(spec["num_heads"]), TensorParallelSpec(column=tuple(spec["column"]), row=tuple(spec["row"]))
+    return None if spec is None else (int(spec["num_heads"]), _patterns(spec))
+
+
+def _patterns(spec: dict[str, Any]) -> TensorParallelSpec:
+    return TensorParallelSpec(column=tuple(spec["column"]), row=tuple(spec["row"]))
 
 
 def _tensor_parallel_answer(module: nn.Module) -> dict[str, Any] | None:
@@ -69,12 +71,13 @@ def _tensor_parallel_answer(module: nn.Module) -> dict[str, Any] | None:
     spec = hook()
     shape = "{'num_heads': int, 'column': [regex...], 'row': [regex...]} (optional 'num_kv_heads': int, 'head_dim': int)"
     try:
-        counts = [int(spec[key]) for key in ("num_heads", "num_kv_heads", "head_dim") if spec.get(key) is not None]
+        heads = int(spec["num_heads"])
+        optional = [int(spec[key]) for key in ("num_kv_heads", "head_dim") if spec.get(key) is not None]
         for pattern in (*spec["column"], *spec["row"]):
             re.compile(pattern)
     except (KeyError, TypeError, ValueError, AttributeError, re.error):
         raise FleetError(f"{type(module).__name__}.fleet_tensor_parallel() must return {shape}") from None
-    if min(counts) < 1 or spec.get("num_kv_heads") is not None and int(spec["num_heads"]) % int(spec["num_kv_heads"]):
+    if min([heads, *optional]) < 1 or spec.get("num_kv_heads") is not None and heads % int(spec["num_kv_heads"]):
         raise FleetError(f"{type(module).__name__}.fleet_tensor_parallel(): num_heads, num_kv_heads and head_dim must be "
                          "positive, and num_kv_heads must divide num_heads")
     return spec
@@ -88,13 +91,15 @@ def attention_shape(module: nn.Module) -> tuple[int, int, int | None] | None:
     else a Hugging Face style ``config`` on the module or a submodule (``num_key_value_heads``, ``head_dim``), else
     key/value heads = heads; None without the hook."""
     spec = _tensor_parallel_answer(module)
-    if spec is None:
-        return None
+    return None if spec is None else _attention_shape(module, spec)
+
+
+def _attention_shape(module: nn.Module, spec: dict[str, Any]) -> tuple[int, int, int | None]:
     heads = int(spec["num_heads"])
     config = next((m.config for m in module.modules() if getattr(getattr(m, "config", None), "num_attention_heads", None) == heads), None)
-    kv = spec.get("num_kv_heads") or _positive(getattr(config, "num_key_value_heads", None)) or heads
+    kv = int(spec.get("num_kv_heads") or _positive(getattr(config, "num_key_value_heads", None)) or heads)
     head_dim = spec.get("head_dim") or _positive(getattr(config, "head_dim", None))
-    return heads, int(kv) if heads % int(kv) == 0 else heads, int(head_dim) if head_dim else None
+    return heads, kv if heads % kv == 0 else heads, int(head_dim) if head_dim else None
 
 
 def _positive(value: Any) -> int | None:
@@ -106,14 +111,16 @@ def tensor_parallel_limits(module: nn.Module) -> tuple[TensorParallelLimit, ...]
     the hook). Both tensor-parallel runtimes split ``nn.Linear`` weights as (out, in) and ``nn.Embedding`` ones, in equal
     contiguous shards: an attention projection splits by whole heads, a fused query/key/value weight or any other
     layer (a transformers ``Conv1D`` stores its weight transposed, in x out) cannot be split evenly that way."""
-    tp = tensor_parallel_hook(module)
-    shape = attention_shape(module)
-    if tp is None or shape is None:
-        return ()
-    patterns = tp[1]
+    spec = _tensor_parallel_answer(module)
+    return () if spec is None else _limits(module, spec)
+
+
+def _limits(module: nn.Module, spec: dict[str, Any]) -> tuple[TensorParallelLimit, ...]:
+    heads, kv, head_dim = _attention_shape(module, spec)
+    patterns = _patterns(spec)
     split = [(name, sub, kind) for name, sub in module.named_modules() if (kind := _split_kind(sub, name, patterns))]
-    head_dim = shape[2] or _head_dim(split, shape[0])
-    return tuple(_limit(name, sub, kind, shape[0], shape[1], head_dim) for name, sub, kind in split)
+    head_dim = head_dim or _head_dim(split, heads)
+    return tuple(_limit(name, sub, kind, heads, kv, head_dim) for name, sub, kind in split)
 
 
 def _split_kind(sub: nn.Module, name: str, patterns: TensorParallelSpec) -> str | None:
@@ -133,6 +140,8 @@ def _head_dim(split: list[tuple[str, nn.Module, str]], heads: int) -> int | None
 
 
 def _limit(name: str, sub: nn.Module, kind: str, heads: int, kv: int, head_dim: int | None) -> TensorParallelLimit:
+    """What one split layer allows: its embedding features, nothing (not an nn.Linear, or fused query/key/value), its
+    key/value heads, its attention heads, or its features."""
     if isinstance(sub, nn.Embedding):
         return _divides(name, sub.embedding_dim, "embedding feature")
     if not isinstance(sub, nn.Linear):
@@ -144,9 +153,9 @@ def _limit(name: str, sub: nn.Module, kind: str, heads: int, kv: int, head_dim: 
     width = sub.out_features if kind == "column" else sub.in_features
     if head_dim and kind == "column" and width == (heads + 2 * kv) * head_dim and _in_attention(name):
         return TensorParallelLimit(layer=name, parts=1, reason=(
-            f"its {width} outputs are the fused query, key and value projections ({heads} + 2 x {kv} heads of {head_dim}), "
-            "and an even split would give a rank the queries of some heads and the keys of others; use tp=1, or separate "
-            "query, key and value nn.Linear layers"))
+            f"its {width} outputs hold the query, key and value projections side by side ({heads} + 2 x {kv} heads of "
+            f"{head_dim}), and an even split gives a rank the queries of some heads and the keys of others; use tp=1, or "
+            "separate query, key and value nn.Linear layers"))
     if head_dim and kind == "column" and kv != heads and width == kv * head_dim:
         return _divides(name, kv, "key/value head")
     if head_dim and width == heads * head_dim:
@@ -182,11 +191,12 @@ def module_hooks(module: nn.Module) -> ModuleHooks:
     """What ``module`` offers a runtime (each hook called once and validated). A plain ``nn.Module`` has no
     optimization loop of its own: it counts as automatically optimized."""
     layers = find_layers(module) is not None
+    tensor_parallel = _tensor_parallel_answer(module)
     return ModuleHooks(
         name=type(module).__name__,
-        tensor_parallel=tensor_parallel_hook(module) is not None,
+        tensor_parallel=tensor_parallel is not None,
         pipeline=pipeline_hook(module) is not None and layers,
         layers=layers,
         automatic_optimization=bool(getattr(module, "automatic_optimization", True)),
-        tp_limits=tensor_parallel_limits(module),
+        tp_limits=() if tensor_parallel is None else _limits(module, tensor_parallel),
     )

@@ -118,10 +118,34 @@ def test_a_fused_query_key_value_linear_is_refused() -> None:
             return {"num_heads": 4, "column": [r".*c_attn\.weight$"], "row": [r".*c_proj\.weight$"]}
 
     assert refusal(Net(), "tp=2") == (
-        "plan tp=2: tp=2 cannot split blocks.0.attn.c_attn: its 96 outputs are the fused query, key and value projections "
-        "(4 + 2 x 4 heads of 8), and an even split would give a rank the queries of some heads and the keys of others; use "
-        "tp=1, or separate query, key and value nn.Linear layers"
+        "plan tp=2: tp=2 cannot split blocks.0.attn.c_attn: its 96 outputs hold the query, key and value projections side "
+        "by side (4 + 2 x 4 heads of 8), and an even split gives a rank the queries of some heads and the keys of others; "
+        "use tp=1, or separate query, key and value nn.Linear layers"
     )
+
+
+@pytest.mark.unit
+def test_the_hook_gives_key_value_heads_where_no_config_does() -> None:
+    """A module of its own (no Hugging Face config): the hook's num_kv_heads decides; a count that cannot be is one line."""
+    from torch import nn
+
+    class Net(nn.Module):
+        def __init__(self, kv_heads: int | None) -> None:
+            super().__init__()
+            self.kv_heads = kv_heads
+            self.attn = nn.ModuleDict({"q": nn.Linear(32, 32), "k": nn.Linear(32, 16), "v": nn.Linear(32, 16), "o": nn.Linear(32, 32)})
+
+        def fleet_tensor_parallel(self) -> dict:
+            return {"num_heads": 4, "num_kv_heads": self.kv_heads, "column": [r"attn\.[qkv]\.weight$"], "row": [r"attn\.o\.weight$"]}
+
+    assert refusal(Net(2), "tp=2") is None
+    assert refusal(Net(2), "tp=4") == (
+        "plan tp=4: tp=4 cannot split attn.k: its 2 key/value heads are not divisible by tp=4; use a tp that divides 2"
+    )
+    with pytest.raises(FleetError) as err:
+        refusal(Net(3), "tp=2")
+    assert str(err.value) == ("Net.fleet_tensor_parallel(): num_heads, num_kv_heads and head_dim must be positive, and "
+                              "num_kv_heads must divide num_heads")
 
 
 @pytest.mark.unit
