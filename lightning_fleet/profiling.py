@@ -35,7 +35,8 @@ Three methods, tried in order (:class:`Method`):
 Layers are the module's ``fleet_layers()`` (optional hook) or, without it, the largest
 ``nn.ModuleList``/``nn.Sequential`` anywhere in the module whose children are all of one type.
 ``fleet_tensor_parallel()`` (optional hook) gives the head count and the AutoTP patterns, from which
-each layer's tensor-parallel all-reduces are counted. Both hooks must be pure: they are called on
+each layer's tensor-parallel all-reduces are counted; the key/value heads (the hook's, or a Hugging Face config's)
+go into the spec's ``num_kv_heads``. Both hooks must be pure: they are called on
 the module itself, and a malformed answer is a FleetError (both are read in :mod:`lightning_fleet.hooks`).
 
 Imports torch, the planning core and the module's hooks (lightning_fleet/hooks.py); imported by the strategy and the
