@@ -9,7 +9,11 @@ malformed answer is a FleetError naming the hook and the shape it must return.
     full recomputation and the pipeline stages work on these layers.
 ``fleet_tensor_parallel()``
     ``{"num_heads": int, "column": [regex, ...], "row": [regex, ...]}``: the head count and which Linear weights
-    tensor parallelism splits along their output (column) or input (row) dimension.
+    tensor parallelism splits along their output (column) or input (row) dimension; optionally ``"num_kv_heads"``
+    (grouped-query attention) and ``"head_dim"``, else read from a Hugging Face style ``config`` on the module or one
+    of its submodules (``num_key_value_heads``, ``head_dim``), else ``num_heads`` and width / ``num_heads``.
+    :func:`tensor_parallel_limits` says, per split layer, which degrees can split it (its heads or features; a fused
+    query/key/value weight or a layer that is not an ``nn.Linear`` cannot be split).
 ``fleet_pipeline()``
     ``{"layers": [nn.Module, ...], "loss_fn": fn(last_output, labels)}``: the forward pass as a sequence (each layer
     takes the previous one's output) and the loss; a training batch is then ``(inputs, labels)``.
@@ -21,12 +25,13 @@ imported by profiling, the runtimes, export and the strategy.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from torch import nn
 
 from lightning_fleet.planning import FleetError
-from lightning_fleet.runtime.base import ModuleHooks, TensorParallelSpec
+from lightning_fleet.runtime.base import ModuleHooks, TensorParallelLimit, TensorParallelSpec
 
 
 def find_layers(module: nn.Module) -> nn.ModuleList | nn.Sequential | None:
@@ -50,18 +55,124 @@ def _repeats_one_type(container: nn.Module) -> bool:
 
 def tensor_parallel_hook(module: nn.Module) -> tuple[int, TensorParallelSpec] | None:
     """``fleet_tensor_parallel()`` as (num_heads, patterns), or None when the module has no such hook."""
+    spec = _tensor_parallel_answer(module)
+    return None if spec is None else (int(spec["num_heads"]), _patterns(spec))
+
+
+def _patterns(spec: dict[str, Any]) -> TensorParallelSpec:
+    return TensorParallelSpec(column=tuple(spec["column"]), row=tuple(spec["row"]))
+
+
+def _tensor_parallel_answer(module: nn.Module) -> dict[str, Any] | None:
+    """The hook's answer checked (positive head counts, regex lists), or None without the hook."""
     hook = getattr(module, "fleet_tensor_parallel", None)
     if not callable(hook):
         return None
     spec = hook()
+    shape = "{'num_heads': int, 'column': [regex...], 'row': [regex...]} (optional 'num_kv_heads': int, 'head_dim': int)"
     try:
         heads = int(spec["num_heads"])
-        patterns = TensorParallelSpec(column=tuple(spec["column"]), row=tuple(spec["row"]))
-    except (KeyError, TypeError, ValueError):
-        raise FleetError(
-            f"{type(module).__name__}.fleet_tensor_parallel() must return {{'num_heads': int, 'column': [regex...], 'row': [regex...]}}"
-        ) from None
-    return heads, patterns
+        optional = [int(spec[key]) for key in ("num_kv_heads", "head_dim") if spec.get(key) is not None]
+        for pattern in (*spec["column"], *spec["row"]):
+            re.compile(pattern)
+    except (KeyError, TypeError, ValueError, AttributeError, re.error):
+        raise FleetError(f"{type(module).__name__}.fleet_tensor_parallel() must return {shape}") from None
+    if min([heads, *optional]) < 1 or spec.get("num_kv_heads") is not None and heads % int(spec["num_kv_heads"]):
+        raise FleetError(f"{type(module).__name__}.fleet_tensor_parallel(): num_heads, num_kv_heads and head_dim must be "
+                         "positive, and num_kv_heads must divide num_heads")
+    return spec
+
+
+# --- what tensor parallelism can split -------------------------------------------------------------
+
+
+def attention_shape(module: nn.Module) -> tuple[int, int, int | None] | None:
+    """(heads, key/value heads, head size or None) of a module with ``fleet_tensor_parallel()``: the hook's values,
+    else a Hugging Face style ``config`` on the module or a submodule (``num_key_value_heads``, ``head_dim``), else
+    key/value heads = heads; None without the hook."""
+    spec = _tensor_parallel_answer(module)
+    return None if spec is None else _attention_shape(module, spec)
+
+
+def _attention_shape(module: nn.Module, spec: dict[str, Any]) -> tuple[int, int, int | None]:
+    heads = int(spec["num_heads"])
+    config = next((m.config for m in module.modules() if getattr(getattr(m, "config", None), "num_attention_heads", None) == heads), None)
+    kv = int(spec.get("num_kv_heads") or _positive(getattr(config, "num_key_value_heads", None)) or heads)
+    head_dim = spec.get("head_dim") or _positive(getattr(config, "head_dim", None))
+    return heads, kv if heads % kv == 0 else heads, int(head_dim) if head_dim else None
+
+
+def _positive(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def tensor_parallel_limits(module: nn.Module) -> tuple[TensorParallelLimit, ...]:
+    """Each layer ``fleet_tensor_parallel()``'s patterns split, with the parts a tp degree must divide (empty without
+    the hook). Both tensor-parallel runtimes split ``nn.Linear`` weights as (out, in) and ``nn.Embedding`` ones, in equal
+    contiguous shards: an attention projection splits by whole heads, a fused query/key/value weight or any other
+    layer (a transformers ``Conv1D`` stores its weight transposed, in x out) cannot be split evenly that way."""
+    spec = _tensor_parallel_answer(module)
+    return () if spec is None else _limits(module, spec)
+
+
+def _limits(module: nn.Module, spec: dict[str, Any]) -> tuple[TensorParallelLimit, ...]:
+    heads, kv, head_dim = _attention_shape(module, spec)
+    patterns = _patterns(spec)
+    split = [(name, sub, kind) for name, sub in module.named_modules() if (kind := _split_kind(sub, name, patterns))]
+    head_dim = head_dim or _head_dim(split, heads)
+    return tuple(_limit(name, sub, kind, heads, kv, head_dim) for name, sub, kind in split)
+
+
+def _split_kind(sub: nn.Module, name: str, patterns: TensorParallelSpec) -> str | None:
+    """'column' or 'row' when one of ``sub``'s own parameters matches a pattern of that kind (column first), else None."""
+    names = [f"{name}.{p}" if name else p for p, _ in sub.named_parameters(recurse=False)]
+    for kind, regexes in (("column", patterns.column), ("row", patterns.row)):
+        if any(re.match(r, n) for r in regexes for n in names):
+            return kind
+    return None
+
+
+def _head_dim(split: list[tuple[str, nn.Module, str]], heads: int) -> int | None:
+    """Head size when neither the hook nor a config gives it: the model width (the input of the first column-split
+    Linear) over the heads."""
+    width = next((sub.in_features for _, sub, kind in split if kind == "column" and isinstance(sub, nn.Linear)), None)
+    return width // heads if width and width % heads == 0 else None
+
+
+def _limit(name: str, sub: nn.Module, kind: str, heads: int, kv: int, head_dim: int | None) -> TensorParallelLimit:
+    """What one split layer allows: its embedding features, nothing (not an nn.Linear, or fused query/key/value), its
+    key/value heads, its attention heads, or its features."""
+    if isinstance(sub, nn.Embedding):
+        return _divides(name, sub.embedding_dim, "embedding feature")
+    if not isinstance(sub, nn.Linear):
+        weight = getattr(sub, "weight", None)
+        held = f" (weight {tuple(weight.shape)}{', stored transposed: in x out' if type(sub).__name__ == 'Conv1D' else ''})" if weight is not None else ""
+        return TensorParallelLimit(layer=name, parts=1, reason=(
+            f"it is a {type(sub).__name__}{held}, and tensor parallelism splits nn.Linear (out x in) and nn.Embedding "
+            "weights only; use tp=1, or a model built from nn.Linear layers"))
+    width = sub.out_features if kind == "column" else sub.in_features
+    if head_dim and kind == "column" and width == (heads + 2 * kv) * head_dim and _in_attention(name):
+        return TensorParallelLimit(layer=name, parts=1, reason=(
+            f"its {width} outputs hold the query, key and value projections side by side ({heads} + 2 x {kv} heads of "
+            f"{head_dim}), and an even split gives a rank the queries of some heads and the keys of others; use tp=1, or "
+            "separate query, key and value nn.Linear layers"))
+    if head_dim and kind == "column" and kv != heads and width == kv * head_dim:
+        return _divides(name, kv, "key/value head")
+    if head_dim and width == heads * head_dim:
+        return _divides(name, heads, "attention head")
+    return _divides(name, width, "output feature" if kind == "column" else "input feature")
+
+
+def _divides(name: str, parts: int, unit: str) -> TensorParallelLimit:
+    """A layer of ``parts`` equal ``unit``s (singular: "key/value head"), split by a tp that divides them."""
+    held = f"its 1 {unit} is" if parts == 1 else f"its {parts} {unit}s are"
+    fix = "use tp=1" if parts == 1 else f"use a tp that divides {parts}"
+    return TensorParallelLimit(layer=name, parts=parts, reason=f"{held} not divisible by tp={{tp}}; {fix}")
+
+
+def _in_attention(name: str) -> bool:
+    """The layer sits in an attention block or is named as a fused projection (``attn.c_attn``, ``qkv``)."""
+    return bool(re.search(r"att|qkv|query_key_value", name, re.IGNORECASE))
 
 
 def pipeline_hook(module: nn.Module) -> dict[str, Any] | None:
@@ -80,10 +191,12 @@ def module_hooks(module: nn.Module) -> ModuleHooks:
     """What ``module`` offers a runtime (each hook called once and validated). A plain ``nn.Module`` has no
     optimization loop of its own: it counts as automatically optimized."""
     layers = find_layers(module) is not None
+    tensor_parallel = _tensor_parallel_answer(module)
     return ModuleHooks(
         name=type(module).__name__,
-        tensor_parallel=tensor_parallel_hook(module) is not None,
+        tensor_parallel=tensor_parallel is not None,
         pipeline=pipeline_hook(module) is not None and layers,
         layers=layers,
         automatic_optimization=bool(getattr(module, "automatic_optimization", True)),
+        tp_limits=() if tensor_parallel is None else _limits(module, tensor_parallel),
     )

@@ -35,7 +35,8 @@ Three methods, tried in order (:class:`Method`):
 Layers are the module's ``fleet_layers()`` (optional hook) or, without it, the largest
 ``nn.ModuleList``/``nn.Sequential`` anywhere in the module whose children are all of one type.
 ``fleet_tensor_parallel()`` (optional hook) gives the head count and the AutoTP patterns, from which
-each layer's tensor-parallel all-reduces are counted. Both hooks must be pure: they are called on
+each layer's tensor-parallel all-reduces are counted; the key/value heads (the hook's, or a Hugging Face config's)
+go into the spec's ``num_kv_heads``. Both hooks must be pure: they are called on
 the module itself, and a malformed answer is a FleetError (both are read in :mod:`lightning_fleet.hooks`).
 
 Imports torch, the planning core and the module's hooks (lightning_fleet/hooks.py); imported by the strategy and the
@@ -68,7 +69,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.flop_counter import FlopCounterMode, flop_registry, sdpa_flop_count
 
 from lightning_fleet import rng
-from lightning_fleet.hooks import find_layers, tensor_parallel_hook
+from lightning_fleet.hooks import attention_shape, find_layers, tensor_parallel_hook
 from lightning_fleet.planning import BlockSpec, FleetError, ModelSpec, Precision, Role
 from lightning_fleet.planning.model import (
     CAUSAL_ATTENTION_SHARE,
@@ -1181,6 +1182,12 @@ def _tp_counts(layer: nn.Module, prefix: str, patterns: TensorParallelSpec | Non
     return row, column
 
 
+def _kv_heads(module: nn.Module) -> int | None:
+    """Key/value heads when they differ from the heads (grouped-query attention; the hook's or a config's), else None."""
+    shape = attention_shape(module)
+    return shape[1] if shape is not None and shape[1] != shape[0] else None
+
+
 def _merge_repeats(blocks: list[BlockSpec]) -> list[BlockSpec]:
     """Consecutive identical layers become one entry with a count."""
     out: list[BlockSpec] = []
@@ -1264,6 +1271,7 @@ def _to_model_spec(
         ),
         hidden_size=max(1, hidden),
         num_heads=tp[0] if tp else 1,
+        num_kv_heads=_kv_heads(module),
         seq_length=max(1, recorder.tokens // samples),
         precision=precision,
         global_batch_size=global_batch_size,
@@ -1339,6 +1347,7 @@ def _parameters_spec(
         blocks=(pre, *_merge_repeats(body), post),
         hidden_size=max(1, round(math.sqrt(body[0].params / 12))),
         num_heads=tp[0] if tp else 1,
+        num_kv_heads=_kv_heads(module),
         seq_length=tokens,
         precision=precision,
         global_batch_size=global_batch_size,

@@ -282,9 +282,11 @@ def test_module_hooks_reads_each_hook() -> None:
         def fleet_pipeline(self) -> dict:
             return {"layers": []}
 
-    assert module_hooks(Hooked()) == ModuleHooks(
-        name="Hooked", tensor_parallel=True, pipeline=True, layers=True, automatic_optimization=True
+    read = module_hooks(Hooked())
+    assert read == ModuleHooks(
+        name="Hooked", tensor_parallel=True, pipeline=True, layers=True, automatic_optimization=True, tp_limits=read.tp_limits
     )
+    assert [(limit.layer, limit.parts) for limit in read.tp_limits] == [("blocks.0", 2), ("blocks.1", 2), ("blocks.2", 2)]
     assert module_hooks(Manual()).automatic_optimization is False
     assert module_hooks(Stack()) == ModuleHooks(
         name="Stack", tensor_parallel=False, pipeline=False, layers=True, automatic_optimization=True

@@ -97,7 +97,8 @@ def test_trained_plan_is_exposed_on_the_strategy():
     "kwargs,module,error,message",
     [
         (dict(plan="dp=2"), None, NoFeasiblePlanError, "dp(2) does not divide world size 1: change the fixed values or the device count"),
-        (dict(plan="dp=1,tp=3"), None, NoFeasiblePlanError, "dp(1) * tp(3) = 3 does not divide world size 1"),
+        (dict(plan="dp=1,tp=4"), None, NoFeasiblePlanError, "dp(1) * tp(4) = 4 does not divide world size 1"),
+        (dict(plan="dp=1,tp=3"), None, FleetError, "tp=3 cannot split blocks.0.attn.q: its 4 attention heads are not divisible by tp=3"),
         (dict(plan="dp=1,tp=2"), NoHooks(), FleetError, "defines no fleet_tensor_parallel() hook: add it or use tp=1"),
         (dict(plan="dp=1,pp=2"), NoHooks(), FleetError, "defines no fleet_pipeline() (and fleet_layers()) hook: add it or use pp=1"),
         (dict(plan="dp=1,pp=2,zero=2"), None, FleetError, "DeepSpeed's pipeline engine runs with zero <= 1, without tp and without offload"),

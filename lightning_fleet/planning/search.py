@@ -78,6 +78,9 @@ class Constraints:
     """ZeRO stages to consider."""
     max_tp: int | None = None
     """Largest tensor-parallel degree (None: no limit beyond the heads)."""
+    tp_divides: int | None = None
+    """A number every tensor-parallel degree must divide: what the module's split layers allow (the gcd of their heads
+    and features; 1 when one of them cannot be split), a fact the runtime reads off the module (None: only the heads)."""
     max_pp: int | None = None
     """Largest pipeline degree (None: no limit beyond the layers)."""
     max_zero_with_pp: int = 3
@@ -145,7 +148,7 @@ class Constraints:
         for stage in self.zero_stages:
             if stage not in (0, 1, 2, 3):
                 raise PlanError(f"constraint zero_stages: {stage!r} is not a ZeRO stage (0-3)")
-        for name in ("max_tp", "max_pp", "max_vpp", "dp", "tp", "pp", "gas", "vpp"):
+        for name in ("max_tp", "tp_divides", "max_pp", "max_vpp", "dp", "tp", "pp", "gas", "vpp"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise PlanError(f"constraint {name} must be an integer >= 1, got {value!r}")
@@ -209,6 +212,8 @@ def narrow(base: Constraints, partial: PartialPlan) -> Constraints:
         )
 
     changes: dict[str, object] = {}
+    if partial.tp is not None and _splits_apart(base, partial.tp):
+        raise refuse("tp", partial.tp, f"a tp that divides {base.tp_divides}, what the module's split layers allow")
     for name, limit in (("tp", base.max_tp), ("pp", base.max_pp), ("vpp", base.max_vpp)):
         value = getattr(partial, name)
         if value is None:
@@ -482,7 +487,7 @@ def _layouts(model: ModelSpec, world: int, cons: Constraints, rejected: list[Rej
     """The layouts dp x tp x pp = world the constraints allow; those that cannot split the global batch go to ``rejected``."""
     out = []
     for tp in divisors(world):
-        if model.kv_heads % tp or (cons.max_tp and tp > cons.max_tp) or cons.tp not in (None, tp):
+        if model.kv_heads % tp or _splits_apart(cons, tp) or (cons.max_tp and tp > cons.max_tp) or cons.tp not in (None, tp):
             continue
         for pp in divisors(world // tp):
             if _pp_excluded(model, cons, pp) or (cons.max_pp and pp > cons.max_pp) or cons.pp not in (None, pp):
@@ -1377,6 +1382,11 @@ def _lift(exclusions: Iterable[_Exclusion]) -> str:
     return "change those fixed values or limits" + (", the device count or the global batch size" if size else "")
 
 
+def _splits_apart(cons: Constraints, tp: int) -> bool:
+    """The module's split layers cannot be divided among ``tp`` ranks (``Constraints.tp_divides``)."""
+    return cons.tp_divides is not None and cons.tp_divides % tp != 0
+
+
 def _heads_rule(model: ModelSpec) -> str:
     """The rule tp must keep with the model's attention heads, in words."""
     if model.num_kv_heads is None:
@@ -1388,6 +1398,7 @@ def _layout_exclusion(model: ModelSpec, cons: Constraints, dp: int, tp: int, pp:
     """Why the search skips a layout (the first rule it breaks, as :func:`_layouts` tests them), or None."""
     rules = (
         (model.kv_heads % tp, _by_size, _heads_rule(model)),
+        (_splits_apart(cons, tp), _by_constraint, f"tp must divide {cons.tp_divides}, what the module's split layers allow"),
         (cons.max_tp and tp > cons.max_tp, _by_constraint, f"tp is limited to max_tp={cons.max_tp}"),
         (cons.tp not in (None, tp), _by_constraint, f"tp is fixed to {cons.tp}"),
         (pp > model.num_layers, _by_size, f"pp must be at most num_layers ({model.num_layers})"),

@@ -16,6 +16,7 @@ ZeRO >= 1, sp needs tp > 1, ...) are not runtime limits: they stay in ``Plan.__p
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Protocol
@@ -39,6 +40,25 @@ class TensorParallelSpec:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class TensorParallelLimit:
+    """One layer that tensor parallelism splits, and how far: a tp degree must divide ``parts`` (1: no tp > 1 splits it).
+    :func:`lightning_fleet.hooks.tensor_parallel_limits` reads them off a module's split layers."""
+
+    layer: str
+    """The layer's name in the module (``model.layers.0.self_attn.k_proj``)."""
+    parts: int
+    """Equal parts it can be split into: its heads (attention projections), its features (others), 1 when it cannot be
+    split at all (a fused query/key/value weight, a layer that is not an nn.Linear)."""
+    reason: str
+    """Why a tp that does not divide ``parts`` cannot split it and what to do, with ``{tp}`` for the degree
+    ("its 1 key/value head is not divisible by tp={tp}; use tp=1")."""
+
+    def refusal(self, tp: int) -> str | None:
+        """'tp=2 cannot split <layer>: <reason>', or None when ``tp`` divides ``parts``."""
+        return None if self.parts % tp == 0 else f"tp={tp} cannot split {self.layer}: {self.reason.format(tp=tp)}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ModuleHooks:
     """What a user's module offers a runtime (:func:`lightning_fleet.hooks.module_hooks` reads it off a module)."""
 
@@ -53,6 +73,15 @@ class ModuleHooks:
     """A layer stack was found: ``fleet_layers()``, or the largest ModuleList/Sequential of one repeated type."""
     automatic_optimization: bool
     """Lightning steps the optimizer (False: ``training_step`` steps it itself, manual optimization)."""
+    tp_limits: tuple[TensorParallelLimit, ...] = ()
+    """The layers ``fleet_tensor_parallel()`` splits, each with the parts a tp degree must divide (empty without the hook,
+    or when planning a spec offline: no layer known to limit tp)."""
+
+    @property
+    def tp_divides(self) -> int | None:
+        """The number every tensor-parallel degree must divide for this module (the gcd of its split layers' parts);
+        None: no split layer is known."""
+        return math.gcd(*(limit.parts for limit in self.tp_limits)) if self.tp_limits else None
 
     @classmethod
     def assumed(cls, name: str = "the model") -> "ModuleHooks":
@@ -136,6 +165,7 @@ class Capabilities:
             require_offload=require_offload,
             recompute=self._recompute_modes(hooks),
             max_tp=(max_tp or None) if self._runs_tp(hooks) else 1,
+            tp_divides=hooks.tp_divides if self._runs_tp(hooks) else None,
             max_pp=(max_pp or None) if self._runs_pp(hooks) else 1,
             zero_stages=zero_stages,
             overlaps=self.overlaps,
@@ -168,6 +198,9 @@ class Capabilities:
         offloads = plan.offload not in (None, Offload.NONE)
         if tp > 1 and not self._runs_tp(hooks):
             return f"plan {plan} has tp={tp}, but {hooks.name} defines no fleet_tensor_parallel() hook: add it or use tp=1"
+        split = next(filter(None, (limit.refusal(tp) for limit in hooks.tp_limits)), None) if tp > 1 else None
+        if split:
+            return f"plan {plan}: {split}"
         if pp > 1 and not self._runs_pp(hooks):
             return f"plan {plan} has pp={pp}, but {hooks.name} {self._no_pipeline_because(hooks)}"
         if pp > 1 and (tp > 1 and not self.tp_with_pp or offloads and not self.offload_with_pp or zero > self.max_zero_with_pp):
