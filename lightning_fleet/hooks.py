@@ -76,8 +76,9 @@ def pipeline_hook(module: nn.Module) -> dict[str, Any] | None:
     return {"layers": list(layers), "loss_fn": loss_fn}
 
 
-def module_hooks(module: nn.Module) -> ModuleHooks:
-    """What ``module`` offers a runtime (each hook called once and validated). A plain ``nn.Module`` has no
+def module_hooks(module: nn.Module, sparse_params: tuple[str, ...] = ()) -> ModuleHooks:
+    """What ``module`` offers a runtime (each hook called once and validated), with the parameters profiling found to
+    get sparse gradients (:attr:`lightning_fleet.profiling.Profile.sparse_params`). A plain ``nn.Module`` has no
     optimization loop of its own: it counts as automatically optimized."""
     layers = find_layers(module) is not None
     return ModuleHooks(
@@ -86,4 +87,5 @@ def module_hooks(module: nn.Module) -> ModuleHooks:
         pipeline=pipeline_hook(module) is not None and layers,
         layers=layers,
         automatic_optimization=bool(getattr(module, "automatic_optimization", True)),
+        sparse_params=sparse_params,
     )
