@@ -187,8 +187,9 @@ def pipeline_hook(module: nn.Module) -> dict[str, Any] | None:
     return {"layers": list(layers), "loss_fn": loss_fn}
 
 
-def module_hooks(module: nn.Module) -> ModuleHooks:
-    """What ``module`` offers a runtime (each hook called once and validated). A plain ``nn.Module`` has no
+def module_hooks(module: nn.Module, sparse_params: tuple[str, ...] = ()) -> ModuleHooks:
+    """What ``module`` offers a runtime (each hook called once and validated), with the parameters profiling found to
+    get sparse gradients (:attr:`lightning_fleet.profiling.Profile.sparse_params`). A plain ``nn.Module`` has no
     optimization loop of its own: it counts as automatically optimized."""
     layers = find_layers(module) is not None
     tensor_parallel = _tensor_parallel_answer(module)
@@ -199,4 +200,5 @@ def module_hooks(module: nn.Module) -> ModuleHooks:
         layers=layers,
         automatic_optimization=bool(getattr(module, "automatic_optimization", True)),
         tp_limits=() if tensor_parallel is None else _limits(module, tensor_parallel),
+        sparse_params=sparse_params,
     )

@@ -124,6 +124,9 @@ class Profile:
     """One line each: what the method and its approximations mean for the plan."""
     batch_dependent: bool | None = None
     """Whether the loss depends on how the batch is split into micro-batches; None when not checked (see notes)."""
+    sparse_params: tuple[str, ...] = ()
+    """Names of the trainable parameters whose gradients are sparse (looked up with ``sparse=True``): a runtime must run
+    them (:attr:`~lightning_fleet.runtime.base.ModuleHooks.sparse_params`)."""
 
     def report_lines(self) -> list[str]:
         """The lines a start-up report prints: the method (and why a better one failed), then the notes."""
@@ -544,6 +547,11 @@ _NO_DATA_MOVED = (aten._unsafe_view, aten.alias, aten.lift_fresh)
 """Operators that return their input's storage (aliases not marked as views)."""
 
 
+_SPARSE_LOOKUPS = (aten.embedding, aten._embedding_bag, aten._embedding_bag_forward_only)
+"""Operators whose weight gets a sparse gradient when their ``sparse`` argument is true (``nn.Embedding``/
+``nn.EmbeddingBag(sparse=True)``, ``F.embedding``/``F.embedding_bag(..., sparse=True)``): one row per index looked up."""
+
+
 class _OpCounter(TorchDispatchMode):
     """Counts the operators a forward pass dispatches (each costs host time, whatever its size), hands the output
     elements of every operator that does no matmul to the recorder (memory-bound work: norms, activations, softmax,
@@ -564,6 +572,8 @@ class _OpCounter(TorchDispatchMode):
         self.recorder.use_storages(inputs)
         out = func(*args, **kwargs)
         packet = func.overloadpacket
+        if packet in _SPARSE_LOOKUPS and _arg(func, args, kwargs, "sparse"):
+            self.recorder.sparse_lookup(_arg(func, args, kwargs, "weight"), _arg(func, args, kwargs, "indices"))
         if packet not in flop_registry and packet is not _CPU_ATTENTION and not func.is_view and packet not in _NO_DATA_MOVED:
             elements = sum(t.numel() for t in _tensors(out) if t.is_floating_point())
             if elements and inputs:
@@ -951,6 +961,7 @@ class _Recorder:
         self.hidden = 0
         self.tokens = 0  # first layer output's elements over its last dimension (samples x tokens per sample)
         self.batchnorm = False
+        self.sparse: dict[int, tuple[int, int]] = {}  # parameter storage -> (rows looked up, elements of a row)
 
     def _phase(self) -> _Phase:
         return self.phases.setdefault(self.current, _Phase())
@@ -986,6 +997,13 @@ class _Recorder:
         phase = self._phase()
         phase.attention_flops += flops
         phase.attention_kernel_flops += kernel_flops
+
+    def sparse_lookup(self, weight: torch.Tensor, indices: torch.Tensor) -> None:
+        """A lookup of ``indices.numel()`` rows in ``weight`` whose gradient is sparse (counted for a parameter only)."""
+        storage = _storage_id(weight)
+        if storage in self.param_storages and weight.dim() >= 1:
+            rows, width = self.sparse.get(storage, (0, math.prod(weight.shape[1:])))
+            self.sparse[storage] = (rows + indices.numel(), width)
 
     def use_storages(self, tensors: list[torch.Tensor]) -> None:
         used = {_storage_id(t) for t in tensors} & self.param_storages
@@ -1059,6 +1077,7 @@ class _Measured:
     fused_attention: Counter[str]  # scaled_dot_product_attention calls priced as a fused kernel, by kernel
     math_attention: Counter[str]  # calls that ran the math path, by reason
     device_attention: Counter[str]  # calls on real tensors, by device type
+    sparse_params: tuple[str, ...] = ()  # parameters whose gradients are sparse
 
 
 def _measure(
@@ -1091,7 +1110,8 @@ def _measure(
         spec = _to_model_spec(clone, layers, recorder, tensor_parallel_hook(clone), samples, global_batch_size, precision, name)
         spec = dataclasses.replace(spec, forward_ops=ops, param_tensors=sum(1 for p in params if p.requires_grad))
         return _Measured(
-            spec, samples, fixups.assumed, fixups.bounded, recorder.batchnorm, attention.fused, attention.math, attention.device
+            spec, samples, fixups.assumed, fixups.bounded, recorder.batchnorm, attention.fused, attention.math, attention.device,
+            _sparse_names(clone, recorder.sparse),
         )
     finally:
         _dismantle(clone)
@@ -1152,10 +1172,13 @@ def _block(
     samples: int,
     tp_counts: tuple[int, int] = (0, 0),
     output_bytes: float | None = None,
+    sparse: Mapping[int, tuple[int, int]] | None = None,
 ) -> BlockSpec:
+    params = list(params)
     replicated, sharded = phase.split_bytes(hidden)
     total, trainable = _counts(params)
     return BlockSpec(
+        **_sparse_fields(params, sparse or {}, samples),
         name=name,
         role=role,
         params=total,
@@ -1172,6 +1195,25 @@ def _block(
     )
 
 
+def _sparse_fields(params: list[torch.Tensor], sparse: Mapping[int, tuple[int, int]], samples: int) -> dict[str, Any]:
+    """The BlockSpec sparse fields of a block holding ``params``: those that train and were looked up sparsely
+    (``sparse``: storage -> rows looked up in the run, elements per row), their lookups per sample."""
+    looked_up = [(p, sparse[_storage_id(p)]) for p in params if p.requires_grad and _storage_id(p) in sparse]
+    if not looked_up:
+        return {}
+    return {
+        "sparse_params": sum(p.numel() for p, _ in looked_up),
+        "sparse_tensors": len(looked_up),
+        "sparse_rows_per_sample": sum(rows for _, (rows, _) in looked_up) / samples,
+        "sparse_elements_per_sample": sum(rows * width for _, (rows, width) in looked_up) / samples,
+    }
+
+
+def _sparse_names(module: nn.Module, sparse: Mapping[int, tuple[int, int]]) -> tuple[str, ...]:
+    """Names of the module's trainable parameters whose gradients are sparse (looked up with ``sparse=True``)."""
+    return tuple(name for name, p in module.named_parameters() if p.requires_grad and _storage_id(p) in sparse)
+
+
 def _tp_counts(layer: nn.Module, prefix: str, patterns: TensorParallelSpec | None) -> tuple[int, int]:
     """AutoTP all-reduces of one layer: one per row-split Linear forward, one per column-split Linear backward."""
     if patterns is None:
@@ -1186,6 +1228,12 @@ def _kv_heads(module: nn.Module) -> int | None:
     """Key/value heads when they differ from the heads (grouped-query attention; the hook's or a config's), else None."""
     shape = attention_shape(module)
     return shape[1] if shape is not None and shape[1] != shape[0] else None
+
+
+def _untied(sparse: Mapping[int, tuple[int, int]], tied_ids: set[int], params: list[torch.Tensor]) -> dict[int, tuple[int, int]]:
+    """``sparse`` without the tied parameters among ``params`` (the pre block counts their lookups once)."""
+    tied = {_storage_id(p) for p in params if id(p) in tied_ids}
+    return {k: v for k, v in sparse.items() if k not in tied}
 
 
 def _merge_repeats(blocks: list[BlockSpec]) -> list[BlockSpec]:
@@ -1247,7 +1295,7 @@ def _to_model_spec(
             attention_flops=pre.attention_flops + post.attention_flops,
             attention_kernel_flops=pre.attention_kernel_flops + post.attention_kernel_flops,
         )
-        body = [_block(type(module).__name__, Role.LAYER, whole, module.parameters(), hidden, samples)]
+        body = [_block(type(module).__name__, Role.LAYER, whole, module.parameters(), hidden, samples, sparse=recorder.sparse)]
         first: list[torch.Tensor] = []
         last: list[torch.Tensor] = []
         pre, post = _Phase(), _Phase()
@@ -1257,7 +1305,8 @@ def _to_model_spec(
         for i, (layer, own) in enumerate(zip(layers, per_layer)):
             prefix = names.get(id(layer), f"layer{i}")
             phase = phases.get(f"layer{i}", _Phase())
-            body.append(_block(prefix, Role.LAYER, phase, own, hidden, samples, _tp_counts(layer, prefix, tp[1] if tp else None)))
+            counts = _tp_counts(layer, prefix, tp[1] if tp else None)
+            body.append(_block(prefix, Role.LAYER, phase, own, hidden, samples, counts, sparse=recorder.sparse))
         in_layers = {id(p) for own in per_layer for p in own}
         first, last = _split_ends([p for p in module.parameters() if id(p) not in in_layers], pre, post)
     tied_ids = {id(p) for p in first} & {id(p) for p in last}
@@ -1265,9 +1314,10 @@ def _to_model_spec(
     return ModelSpec(
         name=name,
         blocks=(
-            _block("pre", Role.PRE, pre, first, hidden, samples, output_bytes=body[0].output_bytes * samples),
+            _block("pre", Role.PRE, pre, first, hidden, samples, output_bytes=body[0].output_bytes * samples,
+                   sparse=recorder.sparse),
             *_merge_repeats(body),
-            _block("post", Role.POST, post, last, hidden, samples),
+            _block("post", Role.POST, post, last, hidden, samples, sparse=_untied(recorder.sparse, tied_ids, last)),
         ),
         hidden_size=max(1, hidden),
         num_heads=tp[0] if tp else 1,
@@ -1534,14 +1584,40 @@ def profile(
             except Exception as err:
                 failures.append(_reason(method, err))
         if measured is not None:
-            spec, notes = measured.spec, _measured_notes(measured, method)
-            batchnorm = measured.batchnorm
+            spec = measured.spec
+            notes = (*_measured_notes(measured, method), *_sparse_notes(measured.sparse_params, spec))
+            batchnorm, sparse = measured.batchnorm, measured.sparse_params
         else:
             method = Method.PARAMETERS
             spec, notes = _parameters_spec(module, example_batch, global_batch_size, precision, name)
-            batchnorm = _has_batchnorm_in_training(module)
+            batchnorm, sparse = _has_batchnorm_in_training(module), _sparse_modules(module)
+            notes = (*notes, *_sparse_notes(sparse, None))
         dependent, note = _batch_dependence(module, example_batch, spec.flops_per_sample, batchnorm)
-    return Profile(spec=spec, method=method, fallback_reason="; ".join(failures), notes=(*notes, note), batch_dependent=dependent)
+    return Profile(spec=spec, method=method, fallback_reason="; ".join(failures), notes=(*notes, note), batch_dependent=dependent,
+                   sparse_params=sparse)
+
+
+def _sparse_modules(module: nn.Module) -> tuple[str, ...]:
+    """Without a run: the trainable weights of ``nn.Embedding``/``nn.EmbeddingBag`` modules built with ``sparse=True``."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    found = [names[id(m.weight)] for m in module.modules()
+             if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad and id(m.weight) in names]
+    return tuple(dict.fromkeys(found))
+
+
+def _sparse_notes(names: tuple[str, ...], spec: ModelSpec | None) -> tuple[str, ...]:
+    """The report line on parameters with sparse gradients: which, and how they are priced (``spec`` None: not
+    measured, priced dense)."""
+    if not names:
+        return ()
+    shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    if spec is None:
+        return (f"sparse gradients: {shown} (sparse=True); their lookups were not measured, so they are priced dense",)
+    rows = sum(b.sparse_rows_per_sample * b.count for b in spec.blocks)
+    return (
+        f"sparse gradients: {shown} ({spec.sparse_params / 1e6:.3g} M params, sparse=True): priced by the rows a step looks "
+        f"up, {rows:g} per sample, each counted as a distinct row (an upper bound: repeated ids touch fewer)",
+    )
 
 
 def profile_module(

@@ -30,10 +30,11 @@ def hooks(tp: bool = True, pp: bool = True, layers: bool = True, automatic: bool
 
 def deepspeed_constraints(**varying: object) -> Constraints:
     """What DeepSpeed's limits are, written out: no sp, no vpp, zero <= 1 and neither tp, offload nor uneven replicas with
-    pp, the default placement; ``varying`` the fields that depend on the module's hooks and the job's options."""
+    pp, the default placement, sparse gradients at ZeRO-0 only; ``varying`` the fields that depend on the module's hooks
+    and the job's options."""
     return Constraints(
         allow_sp=False, max_vpp=1, max_zero_with_pp=1, search_placement=False, tp_with_pp=False, offload_with_pp=False,
-        uneven_dp_with_pp=False,
+        uneven_dp_with_pp=False, sparse_zero_stages=(0,),
         overlaps=Overlaps(dp_grad_reduce=(1, 2, 3), dp_param_gather=(3,), dp_exposed_in_pipeline=True, dp_grad_allreduce=(1, 2)),
         **varying,  # type: ignore[arg-type]
     )

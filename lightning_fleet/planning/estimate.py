@@ -18,7 +18,7 @@ from lightning_fleet.planning import time as tm
 from lightning_fleet.planning.cluster import GIB, Calibration, ClusterSpec, DeviceSpec, LinkLevel, LinkSpec, slowest_device
 from lightning_fleet.planning.comm import axis_level
 from lightning_fleet.planning.errors import PlanError
-from lightning_fleet.planning.model import ModelSpec, Precision, Role
+from lightning_fleet.planning.model import ModelSpec, Precision, Role, TouchedRows, touched_sparse
 from lightning_fleet.planning.overlap import Overlaps
 from lightning_fleet.planning.plan import Axis, Offload, Plan, Recompute
 from lightning_fleet.planning.stages import StageLoad, stage_loads, with_stage_layers
@@ -164,19 +164,36 @@ class StateBytes:
         )
 
 
+def sparse_on_stage(load: StageLoad, zero: int) -> int:
+    """The stage's parameters whose gradients are priced sparse at ``zero`` (:func:`memory.sparse_gradients_priced`);
+    the rest of its trainable parameters are priced dense."""
+    return load.sparse_params if mem.sparse_gradients_priced(zero) else 0
+
+
+def stage_touched(model: ModelSpec, load: StageLoad, dp: int) -> TouchedRows:
+    """The sparse rows one replica's step touches on a stage: its lookups for the replica's share of the global batch
+    (:func:`~lightning_fleet.planning.model.touched_sparse`, an upper bound)."""
+    return touched_sparse(load.sparse_params, load.sparse_rows_per_sample, load.sparse_elements_per_sample,
+                          model.global_batch_size / dp)
+
+
 def stage_state_bytes(
     model: ModelSpec, hw: Hardware, load: StageLoad, *, tp: int, dp: int, zero: int, offload: Offload
 ) -> StateBytes:
-    """Everything but activations on one device of a stage; gradients and optimizer states for its trainable parameters only."""
+    """Everything but activations on one device of a stage; gradients and optimizer states for its trainable parameters
+    only, the gradients of sparse ones (at ZeRO-0) by the rows a step touches (:func:`memory.sparse_grads_bytes`)."""
     n, t, p = load.params, load.trainable_params, model.precision
+    sparse = sparse_on_stage(load, zero)
+    sparse_grads = mem.sparse_grads_bytes(stage_touched(model, load, dp), dp=dp, precision=p) if sparse else 0.0
     other = (
-        mem.comm_buffer_bytes(n, tp=tp, dp=dp, zero=zero, precision=p)
+        mem.comm_buffer_bytes(n - sparse, tp=tp, dp=dp, zero=zero, precision=p)  # sparse gradients go unbucketed
         + mem.zero3_gather_bytes(load.largest_block_params, tp=tp, zero=zero, precision=p)
         + mem.reserve_bytes(hw.memory_bytes, hw.calibration)
     )
     return StateBytes(
         params_bytes=mem.params_bytes(n, tp=tp, dp=dp, zero=zero, offload=offload, precision=p),
-        grads_bytes=mem.grads_bytes(t, tp=tp, dp=dp, zero=zero, precision=p, grad_accum=model.grad_accum_dtype),
+        grads_bytes=mem.grads_bytes(t - sparse, tp=tp, dp=dp, zero=zero, precision=p, grad_accum=model.grad_accum_dtype)
+        + sparse_grads,
         optimizer_bytes=mem.optimizer_bytes(t, tp=tp, dp=dp, zero=zero, offload=offload, precision=p),
         other_bytes=other,
         host_bytes=mem.host_bytes(n, tp=tp, dp=dp, offload=offload, precision=p, trainable=t),
@@ -431,6 +448,11 @@ class TimeModel:
     def _stage_dp_s(self, load: StageLoad, plan: Plan, link: LinkSpec) -> float:
         """Exposed data-parallel communication of one stage."""
         fwd, bwd = self._stage_compute(plan.pp, load, plan.mbs, plan.tp, plan.recompute)
+        sparse = sparse_on_stage(load, plan.zero)
+        sparse_s = tm.sparse_grad_allgather_s(
+            stage_touched(self.model, load, plan.dp), tensors=load.sparse_tensors, dp=plan.dp, precision=self.model.precision,
+            link=link,
+        ) if sparse else 0.0
         return tm.dp_comm_s(
             load.params,
             tp=plan.tp,
@@ -442,24 +464,29 @@ class TimeModel:
             forward_time_s=fwd,
             backward_time_s=bwd,
             overlap=self.hw.calibration.overlap,
-            trainable=load.trainable_params,
+            trainable=load.trainable_params - sparse,
             overlaps=self.overlaps,
             pp=plan.pp,
+            sparse_s=sparse_s,
         )
 
     def _optimizer_s(self, plan: Plan) -> float:
-        """The device optimizer step of the stage with the most trainable parameters."""
+        """The device optimizer step of the stage with the most work: its dense trainable parameters, and the rows its
+        sparse gradients hold (:func:`time.sparse_optimizer_step_s`)."""
         key = (plan.pp, plan.tp, plan.dp, plan.zero, plan.offload)
         seconds = self._optimizer.get(key)
         if seconds is None:
-            rate = self.hw.calibration.adam_params_per_s
-            seconds = self._optimizer[key] = max(
-                tm.optimizer_step_s(
-                    load.trainable_params, tp=plan.tp, dp=plan.dp, zero=plan.zero, offload=plan.offload, adam_params_per_s=rate
-                )
-                for load in self.loads(plan.pp)
-            )
+            seconds = self._optimizer[key] = max(self._stage_optimizer_s(load, plan) for load in self.loads(plan.pp))
         return seconds
+
+    def _stage_optimizer_s(self, load: StageLoad, plan: Plan) -> float:
+        rate, sparse = self.hw.calibration.adam_params_per_s, sparse_on_stage(load, plan.zero)
+        dense = tm.optimizer_step_s(
+            load.trainable_params - sparse, tp=plan.tp, dp=plan.dp, zero=plan.zero, offload=plan.offload, adam_params_per_s=rate
+        )
+        if not sparse:
+            return dense
+        return dense + tm.sparse_optimizer_step_s(stage_touched(self.model, load, plan.dp), dp=plan.dp, adam_params_per_s=rate)
 
     def _offload_s(self, plan: Plan) -> float:
         key = (plan.pp, plan.tp, plan.dp, plan.gas, plan.offload)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lightning_fleet.planning.cluster import GIB, Calibration
-from lightning_fleet.planning.model import GradAccumDtype, Precision
+from lightning_fleet.planning.model import GradAccumDtype, Precision, TouchedRows
 from lightning_fleet.planning.plan import Offload, Recompute
 from lightning_fleet.planning.stages import StageLoad
 
@@ -55,6 +55,29 @@ def grads_bytes(
     unsharded), and BF16_Optimizer "doesn't shard the static fp32 buffer" (bigscience tr11-176B-ml README)."""
     shard = dp if zero >= 2 else 1
     return grad_bytes_per_param(precision, grad_accum) * n / (tp * shard)
+
+
+def sparse_gradients_priced(zero: int) -> bool:
+    """Whether parameters with sparse gradients are priced by the rows a step touches: at the replicated level (ZeRO-0),
+    where the gradient stays a sparse tensor and is reduced by gathering its rows (DeepSpeed's ``sparse_allreduce``,
+    torch DDP's sparse all-reduce). A shard level keeps every gradient in dense flat partitions (DeepSpeed ZeRO-1/2's
+    ``averaged_gradients`` buckets, ZeRO-3's partitions; FSDP's flat parameters), so there they are priced dense (which
+    runtime runs them at all is its own: ``Capabilities.sparse_grad_zero_stages``)."""
+    return zero == 0
+
+
+# DeepSpeed 0.19.8 runtime/engine.py sparse_allreduce: "indices = sparse.indices.to(torch.int32)" when the communication
+# dtype is fp16/bf16, else the int64 indices of the coalesced gradient.
+def sparse_index_bytes(precision: Precision) -> int:
+    """Bytes of one row index of a sparse gradient as it is reduced: 4 (int32) in 16-bit precision, else 8 (int64)."""
+    return 4 if precision.element_bytes == 2 else 8
+
+
+def sparse_grads_bytes(touched: TouchedRows, *, dp: int, precision: Precision) -> float:
+    """A sparse gradient on one device after its reduction: every replica's touched rows, gathered and concatenated
+    (DeepSpeed's ``sparse_allreduce`` sets the gradient to the all-gathered indices and values, runtime/engine.py), each
+    row's values in the working precision and its index (:func:`sparse_index_bytes`)."""
+    return dp * (touched.elements * precision.element_bytes + touched.rows * sparse_index_bytes(precision))
 
 
 def optimizer_bytes(n: float, *, tp: int, dp: int, zero: int, offload: Offload, precision: Precision) -> float:

@@ -194,6 +194,15 @@ class BlockSpec:
     op_recompute: OpRecompute | None = None
     """What op-level selective recomputation redoes and keeps in this block (layer blocks only); None: unknown (the
     profiler does not derive it from a measured module), and ``recompute=op`` is not offered for the model."""
+    sparse_params: int = 0
+    """Trainable parameters of one block whose gradient is sparse (embedding tables looked up with ``sparse=True``): a
+    step's gradient holds only the rows the step looked up (:func:`touched_sparse`). Part of the trainable parameters."""
+    sparse_tensors: int = 0
+    """Parameter tensors of one block with sparse gradients (each is reduced by collectives of its own)."""
+    sparse_rows_per_sample: float = 0.0
+    """Rows of those tables one sample looks up, every lookup counted (an upper bound on the distinct rows it touches)."""
+    sparse_elements_per_sample: float = 0.0
+    """Gradient elements of those rows per sample: the looked-up rows' widths, summed."""
 
     def __post_init__(self) -> None:
         where = f"block {self.name!r}: "
@@ -229,6 +238,7 @@ class BlockSpec:
             )
         if self.op_recompute is not None:
             _check_op_recompute(self, self.op_recompute, where)
+        _check_sparse(self, where)
 
     @property
     def act_split_bytes(self) -> float:
@@ -244,6 +254,49 @@ class BlockSpec:
     def trainable(self) -> int:
         """Parameters of one block that train."""
         return self.params if self.trainable_params is None else self.trainable_params
+
+
+def _check_sparse(block: BlockSpec, where: str) -> None:
+    """SpecError unless the sparse fields are non-negative, the sparse parameters train, and lookups come with tables."""
+    require_non_negative(
+        where,
+        sparse_params=block.sparse_params,
+        sparse_tensors=block.sparse_tensors,
+        sparse_rows_per_sample=block.sparse_rows_per_sample,
+        sparse_elements_per_sample=block.sparse_elements_per_sample,
+    )
+    if block.sparse_params > block.trainable:
+        raise SpecError(f"{where}sparse_params ({block.sparse_params}) must be <= its trainable parameters ({block.trainable})")
+    if (block.sparse_params > 0) != (block.sparse_tensors > 0):
+        raise SpecError(f"{where}sparse_params ({block.sparse_params}) and sparse_tensors ({block.sparse_tensors}) must be both 0 or both > 0")
+    if block.sparse_rows_per_sample > block.sparse_elements_per_sample:
+        raise SpecError(
+            f"{where}sparse_rows_per_sample ({block.sparse_rows_per_sample:g}) must be <= sparse_elements_per_sample "
+            f"({block.sparse_elements_per_sample:g}): a row has at least one element"
+        )
+    if block.sparse_elements_per_sample and not block.sparse_params:
+        raise SpecError(f"{where}sparse lookups ({block.sparse_elements_per_sample:g} elements per sample) need sparse_params > 0")
+
+
+@dataclass(frozen=True, slots=True)
+class TouchedRows:
+    """What one replica's sparse gradient holds after a step: rows and their elements (:func:`touched_sparse`)."""
+
+    rows: float
+    """Distinct rows (an upper bound: every lookup a distinct row, at most every row of the tables)."""
+    elements: float
+    """Their gradient elements."""
+
+
+def touched_sparse(
+    sparse_params: float, rows_per_sample: float, elements_per_sample: float, samples: float
+) -> TouchedRows:
+    """The rows a step of ``samples`` samples touches in tables of ``sparse_params`` elements: every lookup a distinct
+    row, at most the whole tables (their rows at the average looked-up width). An upper bound: repeated ids touch
+    fewer rows, and it bounds each table by its own size only through the sum (sum of min <= min of sums)."""
+    elements = min(float(sparse_params), elements_per_sample * samples)
+    rows = elements * rows_per_sample / elements_per_sample if elements_per_sample else 0.0
+    return TouchedRows(rows=rows, elements=elements)
 
 
 def _check_op_recompute(block: BlockSpec, op: OpRecompute, where: str) -> None:
@@ -363,9 +416,15 @@ class ModelSpec:
         """Forward FLOPs of one sample."""
         return sum(b.flops * b.count for b in self.blocks)
 
+    @property
+    def sparse_params(self) -> int:
+        """Trainable parameters whose gradients are sparse (:attr:`BlockSpec.sparse_params`, all blocks)."""
+        return sum(b.sparse_params * b.count for b in self.blocks)
+
     def to_dict(self) -> dict[str, Any]:
         """Plain mapping in the per-block YAML layout (unset trainable counts left out: all parameters train; unset
-        num_kv_heads, the default grad_accum_dtype, blocks' zero fused-attention FLOPs and unknown op_recompute left out)."""
+        num_kv_heads, the default grad_accum_dtype, blocks' zero fused-attention FLOPs, unknown op_recompute and zero sparse
+        fields left out)."""
         out = to_mapping(self)
         if self.tied_trainable_params is None:
             del out["tied_trainable_params"]
@@ -381,6 +440,9 @@ class ModelSpec:
                     del block[key]
             if block["op_recompute"] is None:
                 del block["op_recompute"]
+            for key in ("sparse_params", "sparse_tensors", "sparse_rows_per_sample", "sparse_elements_per_sample"):
+                if not block[key]:
+                    del block[key]
         return out
 
     def to_yaml(self) -> str:
@@ -998,10 +1060,12 @@ __all__ = [
     "PositionEmbedding",
     "Precision",
     "Role",
+    "TouchedRows",
     "TransformerSpec",
     "load_model",
     "load_transformer",
     "model_from_dict",
     "model_presets",
+    "touched_sparse",
     "transformer_model",
 ]

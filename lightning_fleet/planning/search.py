@@ -141,13 +141,18 @@ class Constraints:
     """Exact micro-batch size of each data-parallel replica of every plan (dp is its length, mbs its largest): the
     search plans the rest as for every replica running the largest (what the busiest device holds and computes), and
     the plans it returns are priced with the real sizes."""
+    sparse_zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    """ZeRO stages the runtime runs parameters with sparse gradients at (a runtime's
+    ``Capabilities.sparse_grad_zero_stages``): a model with some (:attr:`ModelSpec.sparse_params`) is planned on these
+    only, the others rejected (:attr:`RejectionKind.SPARSE`)."""
 
     def __post_init__(self) -> None:
         order = list(Recompute)  # none < selective < op < full, each never faster: the search relies on this order
         object.__setattr__(self, "recompute", tuple(sorted({Recompute(r) for r in self.recompute}, key=order.index)))
-        for stage in self.zero_stages:
-            if stage not in (0, 1, 2, 3):
-                raise PlanError(f"constraint zero_stages: {stage!r} is not a ZeRO stage (0-3)")
+        for name in ("zero_stages", "sparse_zero_stages"):
+            for stage in getattr(self, name):
+                if stage not in (0, 1, 2, 3):
+                    raise PlanError(f"constraint {name}: {stage!r} is not a ZeRO stage (0-3)")
         for name in ("max_tp", "tp_divides", "max_pp", "max_vpp", "dp", "tp", "pp", "gas", "vpp"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -296,6 +301,9 @@ class RejectionKind(StrEnum):
     """It does not fit: device or host memory is short, for its variant closest to fitting and every larger mbs."""
     SLOWER = "slower"
     """It fits, but is predicted slower than the plans returned (a runner-up)."""
+    SPARSE = "sparse"
+    """Its ZeRO stage cannot run the model's sparse gradients on this runtime (``Constraints.sparse_zero_stages``); no
+    plan at that stage is a candidate."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -322,7 +330,8 @@ class PlanResult:
     """Top plans, fastest first."""
     rejected: tuple[Rejection, ...]
     """Plans that lost, with a kind and a reason each: the runners-up beyond the top (slower), then those that did not fit
-    (memory, closest first), then layouts that cannot split the batch (layout)."""
+    (memory, closest first), then layouts that cannot split the batch (layout), then ZeRO stages that cannot run the
+    model's sparse gradients (sparse)."""
     candidates: int
     """Candidates considered (pruned families counted in full)."""
     feasible: int
@@ -1039,6 +1048,7 @@ def plan(
     if cons.dp_mbs is not None:
         return _plan_uneven_dp(model, cluster, cons, top=top, max_rejected=max_rejected, exhaustive=exhaustive)
     cons = _recomputable(model, cons)
+    cons, unrunnable = _sparse_runnable(model, cons)
     if cons.stage_layers is not None:
         check_stage_layers(model, cons.stage_layers)
     started = _clock.perf_counter()
@@ -1064,7 +1074,7 @@ def plan(
     leave_out = _leave_out(model, cluster, cons, best) if not cluster.is_homogeneous and cons.consider_leaving_out else None
     slower = [_slower_rejection(e, best) for e in ranked[top : top + max_rejected]]
     closest = sorted(search.misfits, key=lambda m: m.shortfall_bytes)[:max_rejected]
-    misfits = ([_misfit_rejection(m) for m in closest] + search.unsplittable)[:max_rejected]  # layouts are furthest
+    misfits = ([_misfit_rejection(m) for m in closest] + search.unsplittable + unrunnable)[:max_rejected]  # layouts are furthest
     return PlanResult(
         plans=tuple(ranked[:top]),
         rejected=tuple(slower + misfits),
@@ -1239,6 +1249,22 @@ def _plan_uneven_dp(
     return dataclasses.replace(
         result, plans=tuple(priced(e) for e in result.plans), all_feasible=tuple(priced(e) for e in result.all_feasible)
     )
+
+
+def _sparse_runnable(model: ModelSpec, cons: Constraints) -> tuple[Constraints, list[Rejection]]:
+    """``cons`` with only the ZeRO stages that run the model's sparse gradients, and a SPARSE rejection for each stage
+    left out; PlanError (one line) when none is left."""
+    if not model.sparse_params:
+        return cons, []
+    kept = tuple(z for z in cons.zero_stages if z in cons.sparse_zero_stages)
+    what = f"model {model.name!r} has {model.sparse_params:,} parameters with sparse gradients (embedding lookups with sparse=True)"
+    runs = f"the runtime runs them at zero {_names(cons.sparse_zero_stages)} only" if cons.sparse_zero_stages else "the runtime runs none"
+    if not kept:
+        raise PlanError(f"{what}, and {runs}, but zero {_names(cons.zero_stages)} was asked for: allow zero "
+                        f"{_names(cons.sparse_zero_stages) or '0'}, or build the embeddings with sparse=False")
+    rejected = [Rejection(plan=f"zero={z}", kind=RejectionKind.SPARSE, reason=f"{what}; {runs}")
+                for z in cons.zero_stages if z not in kept]
+    return dataclasses.replace(cons, zero_stages=kept), rejected
 
 
 def _recomputable(model: ModelSpec, cons: Constraints) -> Constraints:

@@ -95,6 +95,14 @@ class StageLoad:
     """Bytes per sample of those forward all-reduces."""
     boundary_bytes: float = 0.0
     """Bytes per sample the stage sends to the next one (its last block's output)."""
+    sparse_params: int = 0
+    """The part of ``trainable_params`` whose gradients are sparse (:attr:`BlockSpec.sparse_params`)."""
+    sparse_tensors: int = 0
+    """Parameter tensors with sparse gradients on the stage."""
+    sparse_rows_per_sample: float = 0.0
+    """Rows of those tensors one sample looks up (:attr:`BlockSpec.sparse_rows_per_sample`)."""
+    sparse_elements_per_sample: float = 0.0
+    """Gradient elements of those rows per sample."""
 
 
 _SLACK = 1.0 + 1e-9
@@ -341,6 +349,10 @@ def _stage(model: ModelSpec, split: tuple[int, ...], index: int) -> StageLoad:
         layer_tp_allreduces_fwd=int(_sum(pairs, "tp_allreduces_fwd", Role.LAYER)),
         layer_tp_allreduce_fwd_bytes=sum(b.tp_allreduces_fwd * b.output_bytes * n for b, n in pairs if b.role is Role.LAYER),
         boundary_bytes=pairs[-1][0].output_bytes,
+        sparse_params=int(_sum(pairs, "sparse_params")),
+        sparse_tensors=int(_sum(pairs, "sparse_tensors")),
+        sparse_rows_per_sample=_sum(pairs, "sparse_rows_per_sample"),
+        sparse_elements_per_sample=_sum(pairs, "sparse_elements_per_sample"),
     )
 
 

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 from lightning_fleet.planning.cluster import Calibration, LinkSpec
 from lightning_fleet.planning.comm import allgather_s, allreduce_s, p2p_s, reduce_scatter_s
-from lightning_fleet.planning.model import Precision
+from lightning_fleet.planning.memory import sparse_index_bytes
+from lightning_fleet.planning.model import Precision, TouchedRows
 from lightning_fleet.planning.overlap import Overlaps
 from lightning_fleet.planning.plan import Offload, Recompute
 from lightning_fleet.planning.stages import StageLoad
@@ -209,6 +210,31 @@ def optimizer_step_s(n: float, *, tp: int, dp: int, zero: int, offload: Offload,
     return n / tp / (dp if zero >= 1 else 1) / adam_params_per_s
 
 
+def sparse_optimizer_step_s(touched: TouchedRows, *, dp: int, adam_params_per_s: float) -> float:
+    """The optimizer step over sparse gradients: the gathered rows of every replica (dp times one replica's touched
+    elements, uncoalesced as DeepSpeed's ``SparseTensor.to_coo_tensor`` leaves them), at the Adam rate. Every torch
+    optimizer that takes sparse gradients (SGD, Adagrad, SparseAdam) updates only the rows a gradient holds; Adam and
+    AdamW refuse them ("does not support sparse gradients"). Not priced: SGD's weight_decay, which makes the gradient
+    dense (``grad.add(param, alpha=weight_decay)``)."""
+    return dp * touched.elements / adam_params_per_s
+
+
+# DeepSpeed 0.19.8 runtime/engine.py sparse_allreduce -> sparse_all_gather (called for the indices, then the values):
+# all_gather_scalar of the local row count, then dist.all_gather of the tensor padded to the largest rank's. torch DDP
+# on gloo reduces sparse gradients the same way (ProcessGroupGloo AsyncSparseAllreduceWork: all-gathers of metadata,
+# indices and values).
+def sparse_grad_allgather_s(touched: TouchedRows, *, tensors: int, dp: int, precision: Precision, link: LinkSpec) -> float:
+    """The data-parallel reduction of ``tensors`` sparse gradients holding ``touched`` rows per replica in all: per
+    tensor two all-gathers of a row count (8 bytes a rank), one of its indices and one of its values (every replica's
+    rows: dp times one replica's bytes in all, :func:`comm.allgather_s`); none without data parallelism."""
+    if dp == 1 or tensors == 0:
+        return 0.0
+    counts = 2 * allgather_s(8.0 * dp, dp, link)
+    indices = allgather_s(dp * touched.rows * sparse_index_bytes(precision) / tensors, dp, link)
+    values = allgather_s(dp * touched.elements * precision.element_bytes / tensors, dp, link)
+    return tensors * (counts + indices + values)
+
+
 def exposed_s(comm_s: float, window_s: float, overlap: float) -> float:
     """Communication left on the critical path when a fraction ``overlap`` of it can hide behind ``window_s`` of compute."""
     return comm_s - overlap * min(comm_s, window_s)
@@ -242,6 +268,7 @@ def dp_comm_s(
     trainable: float | None = None,
     overlaps: Overlaps = Overlaps.DEFAULT,
     pp: int = 1,
+    sparse_s: float = 0.0,
 ) -> float:
     """Exposed data-parallel communication per step of a stage holding ``n`` parameters, ``trainable`` of them with
     gradients (default all), in a ``pp``-stage pipeline (ZeRO paper Sec. 7; DeepSpeed's overlap_comm).
@@ -255,6 +282,8 @@ def dp_comm_s(
     (:meth:`Overlaps.hides_grad_reduce`, :meth:`Overlaps.hides_param_gather`); the rest is exposed.
     Gradients and updated weights are the trainable parameters' (DeepSpeed 0.19's ZeRO-1/2 optimizer flattens only the
     parameters that require grad, ``is_optimized_parameter`` in stage_1_and_2.py); ZeRO-3 gathers every parameter.
+    ``sparse_s`` is the zero-0 reduction of the sparse gradients (:func:`sparse_grad_allgather_s`; ``trainable`` then
+    counts the dense ones only): it runs beside the dense all-reduce, after the same backward.
     """
     if dp == 1:
         return 0.0
@@ -262,7 +291,7 @@ def dp_comm_s(
     gathers = hidden_fraction(overlaps.hides_param_gather(zero, pp), overlap)
     nbytes = precision.element_bytes * (n if trainable is None else trainable) / tp
     if zero == 0:
-        return exposed_s(allreduce_s(nbytes, dp, link), backward_time_s, grads)
+        return exposed_s(allreduce_s(nbytes, dp, link) + sparse_s, backward_time_s, grads)
     gather = allgather_s(nbytes, dp, link)
     scatter = reduce_scatter_s(nbytes, dp, link)
     if zero in (1, 2):

@@ -73,6 +73,10 @@ class ModuleHooks:
     """A layer stack was found: ``fleet_layers()``, or the largest ModuleList/Sequential of one repeated type."""
     automatic_optimization: bool
     """Lightning steps the optimizer (False: ``training_step`` steps it itself, manual optimization)."""
+    sparse_params: tuple[str, ...] = ()
+    """Its trainable parameters whose gradients are sparse (embedding lookups with ``sparse=True``, found by profiling:
+    :attr:`lightning_fleet.profiling.Profile.sparse_params`)."""
+
     tp_limits: tuple[TensorParallelLimit, ...] = ()
     """The layers ``fleet_tensor_parallel()`` splits, each with the parts a tp degree must divide (empty without the hook,
     or when planning a spec offline: no layer known to limit tp)."""
@@ -138,6 +142,9 @@ class Capabilities:
     overlaps: Overlaps
     """Which communications it runs beside compute: the search prices every candidate with them, and ``fleet estimate``
     a fixed plan."""
+    sparse_grad_zero_stages: tuple[int, ...]
+    """ZeRO stages (shard levels) at which it runs parameters whose gradients are sparse: a module with some is planned
+    on these only (``Constraints.sparse_zero_stages``), and a plan fixing another is refused."""
 
     def constraints(
         self,
@@ -169,6 +176,7 @@ class Capabilities:
             max_pp=(max_pp or None) if self._runs_pp(hooks) else 1,
             zero_stages=zero_stages,
             overlaps=self.overlaps,
+            sparse_zero_stages=self.sparse_grad_zero_stages,
         )
 
     def reshard_constraints(
@@ -196,6 +204,8 @@ class Capabilities:
         one line; None when it can. The job's own limits (zero_stages, allow_offload, max_tp, ...) are not judged here."""
         tp, pp, zero = plan.tp or 1, plan.pp or 1, plan.zero or 0
         offloads = plan.offload not in (None, Offload.NONE)
+        if hooks.sparse_params and zero not in self.sparse_grad_zero_stages:
+            return f"plan {plan}: {self._sparse_refusal(hooks, zero)}"
         if tp > 1 and not self._runs_tp(hooks):
             return f"plan {plan} has tp={tp}, but {hooks.name} defines no fleet_tensor_parallel() hook: add it or use tp=1"
         split = next(filter(None, (limit.refusal(tp) for limit in hooks.tp_limits)), None) if tp > 1 else None
@@ -241,6 +251,17 @@ class Capabilities:
             raise FleetError(f"plan {partial}: zero={partial.zero} is outside zero_stages={constraints.zero_stages}")
         if partial.offload not in (None, Offload.NONE) and not constraints.allow_offload:
             raise FleetError(f"plan {partial} offloads, but allow_offload=False")
+
+    def _sparse_refusal(self, hooks: ModuleHooks, zero: int) -> str:
+        """'emb.weight gets sparse gradients ..., which DeepSpeed runs at zero 0 only: use zero=0 ...'."""
+        names = hooks.sparse_params
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        verb = "gets" if len(names) == 1 else "get"
+        return (
+            f"{hooks.name}'s {shown} {verb} sparse gradients (an embedding with sparse=True), which {self.label} runs at "
+            f"zero {_either(self.sparse_grad_zero_stages)} only, not zero={zero}: use zero={self.sparse_grad_zero_stages[0]} "
+            "(or leave zero to the planner), or build the embedding with sparse=False to shard it"
+        )
 
     def _runs_tp(self, hooks: ModuleHooks) -> bool:
         return hooks.tensor_parallel or not self.tp_needs_hook
@@ -308,6 +329,9 @@ ANY = Capabilities(
     reshard_data_parallel_only=False,
     # the cost model's long-standing assumption: gradient reductions and ZeRO-3's gathers hide, nothing else
     overlaps=Overlaps.DEFAULT,
+    # every shard level: the cost model prices sparse gradients by their rows at ZeRO-0 and dense above it
+    # (planning/memory.py sparse_gradients_priced), whichever runtime would run them
+    sparse_grad_zero_stages=(0, 1, 2, 3),
 )
 """The cost model's whole space: every plan it can price, as if some runtime executed each (``fleet plan``'s default,
 for comparing layouts before choosing a runtime)."""

@@ -93,5 +93,11 @@ DEEPSPEED = Capabilities(
     # tensor- and pipeline-parallel per-rank layouts have no verified conversion: data-parallel plans only
     reshard_data_parallel_only=True,
     overlaps=DEEPSPEED_OVERLAPS,
+    # a sparse gradient (nn.Embedding/EmbeddingBag(sparse=True)) is reduced by the engine's own all-gather at ZeRO-0
+    # (runtime/engine.py buffered_allreduce_fallback -> sparse_allreduce; no config flag: 'sparse_gradients' is a removed
+    # key that raises, runtime/config.py). ZeRO 1-3 flatten gradients into dense buffers and fail at the first step
+    # (measured: zero=1 "unsupported memory format option Contiguous", zero=2 "Could not run 'aten::view' with arguments
+    # from the 'SparseCPU' backend", zero=3 "copy_() between dense and sparse Tensors is not implemented")
+    sparse_grad_zero_stages=(0,),
 )
 """Stock DeepSpeed 0.19.8 under strategy "fleet": ZeRO 0-3, optimizer/parameter offload, AutoTP, its pipeline engine."""
