@@ -156,9 +156,12 @@ def decide(
     options: JobOptions,
     capabilities: Capabilities,
     resume: Resume,
+    cluster_notes: tuple[str, ...] = (),
 ) -> Decision:
-    """The one decision of a fit: the plan (continued, fixed or searched), its estimate and the report."""
+    """The one decision of a fit: the plan (continued, fixed or searched), its estimate and the report (``cluster_notes``:
+    how the caller measured the cluster, e.g. why its ranks were judged alike or different, first among the notes)."""
     partial, notes = fixed_axes(module, options)
+    notes = [*cluster_notes, *notes]
     if resume.kind is ResumeKind.CONTINUE:
         chosen, result = _continued(module, cluster, partial, options, capabilities, resume), None
         notes.append(f"resumed  {resume.path}: its plan continues")

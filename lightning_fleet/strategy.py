@@ -36,10 +36,11 @@ from lightning_fleet.calibrate.measure import (  # noqa: E402
     across_ranks,
     cache_path,
     load_cached,
-    measure_cluster,
     device_memory_gib,
+    measure,
     measure_ranks,
     save_cache,
+    with_rank_devices,
 )
 from lightning_fleet.calibrate.measure import RANK_PROBE_S  # noqa: E402
 from lightning_fleet.data import TrainingData, example_batch, inspect_training_loader, step_loader  # noqa: E402
@@ -64,8 +65,8 @@ from lightning_fleet.export import lightning_checkpoint  # noqa: E402
 from lightning_fleet.hooks import find_layers, module_hooks, tensor_parallel_hook  # noqa: E402
 from lightning_fleet.planning import ClusterSpec, Estimate, FleetError, ModelSpec, Plan, Precision, load_cluster  # noqa: E402
 from lightning_fleet.planning.cluster import GIB  # noqa: E402
-from lightning_fleet.planning.plan import field_text, share_weight  # noqa: E402
-from lightning_fleet.planning.search import rebalance  # noqa: E402
+from lightning_fleet.planning.plan import share_weight  # noqa: E402
+from lightning_fleet.calibrate.ranks import rebalance_by  # noqa: E402
 from lightning_fleet.profiling import Profile, profile  # noqa: E402
 from lightning_fleet.progress import FleetProgress  # noqa: E402
 from lightning_fleet.rng import RngState  # noqa: E402
@@ -109,9 +110,10 @@ class FleetStrategy(DeepSpeedStrategy):
         hand_back: at the end of fit, give the module back as a plain module holding the trained weights on every rank
             (on the CPU, as Lightning's teardown leaves it); skipped when that would not fit the host's memory.
         rebalance_every_n_steps: every N optimizer steps every rank probes its sustained speed (about
-            ``calibrate.measure.RANK_PROBE_S``); when the speeds have drifted so that another split of each step's
+            ``calibrate.measure.RANK_PROBE_S``, in rounds: a rank counts as slower only where it is slower in each round,
+            ``calibrate.ranks``); when the speeds have drifted so that another split of each step's
             samples over the data-parallel replicas is predicted at least ``planning.search.REBALANCE_GAIN`` faster, the replicas' micro-batch
-            sizes (``dp_mbs``) change from a later step on: the same samples form each step and the gradient stays the
+            sizes (``dp_mbs``) change from a later step on (back to the even split once the ranks measure alike again): the same samples form each step and the gradient stays the
             global batch's mean, so the optimisation does not change. Only for a data-parallel plan (pp=1) of a module
             whose loss is known not to depend on the micro-batch, under automatic optimization. None (the default):
             every 100 steps, and never so often that the probes take more than REBALANCE_OVERHEAD of the time trained;
@@ -395,7 +397,8 @@ class FleetStrategy(DeepSpeedStrategy):
         def decide_here() -> Decision:
             resume = resume_of(path, manifest, self.world_size)
             capabilities = self.backend.capabilities
-            decision = decide(facts, cluster, world_size=self.world_size, options=self.options, capabilities=capabilities, resume=resume)
+            decision = decide(facts, cluster, world_size=self.world_size, options=self.options, capabilities=capabilities,
+                              resume=resume, cluster_notes=(fit.ranks_line,) if fit.ranks_line else ())
             print("\n".join(decision.report), flush=True)  # logged once, by the rank that decided
             return decision
 
@@ -425,7 +428,9 @@ class FleetStrategy(DeepSpeedStrategy):
 
     def _resolve_cluster(self) -> ClusterSpec:
         """The cluster to plan for: the one given (its size checked against the job), else this machine's measurement
-        (rank 0's numbers, cached per host and world shape)."""
+        (rank 0's numbers, cached per host and world shape), its ranks probed at every start: a rank is described on
+        its own only where this start's probe rounds all find it slower (the cache keeps no per-rank speed). Why the
+        ranks were judged alike or different goes into the start-up report (``_fit.ranks_line``)."""
         shape = WorldShape(world_size=self.world_size, num_nodes=self.num_nodes, local_world_size=self.num_processes)
         if self.cluster_source is not None:
             cluster = self.cluster_source if isinstance(self.cluster_source, ClusterSpec) else load_cluster(self.cluster_source)
@@ -439,10 +444,16 @@ class FleetStrategy(DeepSpeedStrategy):
         path = cache_path(self.root_device, shape)
         cached = self.broadcast(load_cached(path) if self.is_global_zero else None)
         if cached is not None:
-            return cached
-        measured = self.broadcast(measure_cluster(self.root_device, shape))  # every rank plans with rank 0's numbers
-        if self.is_global_zero:
-            save_cache(measured, path)
+            ranks = measure_ranks(self.root_device, device_memory_gib(self.root_device, self.num_processes))
+            measured = with_rank_devices(cached, ranks)  # every rank gathered the same rounds: the same cluster
+        else:
+            measurement = measure(self.root_device, shape)
+            ranks = measurement.ranks
+            measured = self.broadcast(measurement.cluster)  # every rank plans with rank 0's numbers
+            if self.is_global_zero:
+                save_cache(measured, path)
+        assert ranks is not None
+        self._fit.ranks_line = ranks.judged().line()
         return measured
 
     def _apply(self, trainer) -> None:  # type: ignore[no-untyped-def]
@@ -710,19 +721,14 @@ class FleetStrategy(DeepSpeedStrategy):
                 return
         fit.last_probe = time.perf_counter()
         ranks = measure_ranks(self.root_device, device_memory_gib(self.root_device, self.num_processes))
-        speeds = list(ranks.flops_per_s)
-        change = rebalance(decision.estimate.model, decision.cluster, decision.estimate.plan, speeds,
-                           host_speeds=list(ranks.ops_per_s), overlaps=self.backend.capabilities.overlaps)
+        start = step + fit.prefetched_steps
+        change = rebalance_by(ranks, decision.estimate.model, decision.cluster, decision.estimate.plan,
+                              overlaps=self.backend.capabilities.overlaps, step=step, start=start)
         if change is None:
             return
-        now, new = change
-        split = new.plan
-        start = step + fit.prefetched_steps
-        fit.shares.set_from(start, split.uneven_shares())
+        new, line = change
+        fit.shares.set_from(start, new.plan.uneven_shares())
         fit.pending = (start, new)
-        sizes = field_text(split.dp_mbs) if split.dp_mbs is not None else f"{split.mbs} on every replica"
-        line = (f"lightning_fleet: rank speeds {'/'.join(f'{v / max(speeds):.2f}' for v in speeds)} at step {step}: "
-                f"micro-batches {sizes} from step {start} (predicted {now.time.step_s:.3g} -> {new.time.step_s:.3g} s/step)")
         fit.rebalanced.append(line)
         if self.global_rank == 0:
             print(line, flush=True)
@@ -841,6 +847,7 @@ class _FitState:
         self.rebalanced: list[str] = []  # what each rebalance did, as reported
         self.pending: tuple[int, Estimate] | None = None  # a share change decided, and the step it starts at
         self.last_probe = time.perf_counter()  # when the ranks last probed their speed (the fit's start before that)
+        self.ranks_line: str | None = None  # why the measured ranks were judged alike or different (start-up report)
 
 
 # --- small helpers (module level: no strategy state) ------------------------------------------------

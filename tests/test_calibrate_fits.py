@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
+import yaml
 
 from lightning_fleet.calibrate.measure import fit_alpha_beta, fit_link, fit_saturation, least_squares_line
 
@@ -404,7 +407,7 @@ def test_measure_attention_times_the_cpu_fused_kernel_on_tiny_shapes() -> None:
 @pytest.mark.unit
 def test_one_process_has_one_speed_and_no_per_rank_devices(monkeypatch) -> None:
     """Without a process group every rank-wide figure is this process' own, and one rank never differs from itself;
-    the sustained probe runs its GEMMs back to back for RANK_PROBE_S (the mean over the span, not a median)."""
+    one round of the sustained probe runs its GEMMs and adds for the time asked (the mean over the span, not a median)."""
     import time
 
     import torch
@@ -412,32 +415,99 @@ def test_one_process_has_one_speed_and_no_per_rank_devices(monkeypatch) -> None:
     from lightning_fleet.calibrate import measure
 
     assert measure.all_ranks(3.5, torch.device("cpu")) == [3.5]
-    monkeypatch.setattr(measure, "RANK_PROBE_S", 0.05)
     start = time.perf_counter()
-    speed = measure.sustained_speed(torch.device("cpu"), width=64)
+    speed = measure.sustained_speed(torch.device("cpu"), width=64, seconds=0.05)
     assert time.perf_counter() - start >= 0.05 and speed.flops_per_s > 0 and speed.ops_per_s > 0
+    monkeypatch.setattr(measure, "RANK_PROBE_S", 0.08)
     monkeypatch.setattr(measure, "matmul_rate", lambda *args, **kwargs: 2e11)
     _, _, ranks = measure._device_spec(torch.device("cpu"), measure.WorldShape(world_size=1, local_world_size=1, num_nodes=1), 0.0)
-    assert ranks is None
+    assert len(ranks.flops_rounds) == measure.RANK_PROBE_ROUNDS and ranks.world_size == 1 and not ranks.differ()
+    assert ranks.host_is_device and ranks.identity == (measure.device_identity(measure.device_identity_text(torch.device("cpu"))),)
+
+
+def _probe(device: list[tuple[float, ...]], host: list[tuple[float, ...]] | None = None, memory=(10.0, 10.0), identity=(7, 7),
+           cpu: bool = True):
+    """A probe of two ranks, round by round (GEMM rates as given; host rates the same unless given)."""
+    from lightning_fleet.calibrate.ranks import RankMeasures
+
+    return RankMeasures(flops_rounds=tuple(device), ops_rounds=tuple(host or device), memory_gib=memory, identity=identity,
+                        host_is_device=cpu)
 
 
 @pytest.mark.pure
-def test_rank_measures_differ_by_speed_host_or_memory_and_make_one_device_each() -> None:
-    """Ranks are described one by one when their GEMM or host speeds differ by RANK_SPEED_SPREAD or their memory by
-    RANK_MEMORY_SPREAD; a spread under its threshold is noise and leaves that figure alike across the devices."""
-    from lightning_fleet.calibrate.measure import RankMeasures, rank_devices
+def test_a_rank_is_slower_only_where_every_probe_round_says_so() -> None:
+    """Rank 1 at half speed in three of four rounds and level in one (another process' time slice on a busy machine) is
+    the same device; at half speed in each round it is slower, by the inverse of its median slowdown over the rounds.
+    The single-probe rule this replaces split on any one round at 1.2x (the first round here)."""
+    passing = _probe([(1.0, 0.5), (1.0, 0.5), (0.5, 0.5), (1.0, 0.5)])
+    judged = passing.judged()
+    assert judged.speeds == judged.host_speeds == (1.0, 1.0) and not judged.differ and not passing.differ()
+    assert passing.flops_per_s == (1.0, 0.5)  # its median: what the old single probe took as the speed
+    assert judged.line().startswith("ranks    alike: no rank slower by 1.2x in each of 4 probe rounds")
+    assert "rank 1 GEMMs 0.50/0.50/1.00/0.50, host 0.50/0.50/1.00/0.50" in judged.line()
+    slow = _probe([(1.0, 0.5), (2.0, 0.8), (1.0, 0.4), (1.0, 0.5)]).judged()  # slowdowns 2, 2.5, 2.5, 2
+    assert slow.differ and slow.slower == (1,)
+    assert slow.speeds == slow.host_speeds == (1.0, pytest.approx(1 / 2.25))
+    assert slow.line().startswith("ranks    differ: rank(s) 1 slower by 1.2x or more in each of 4 probe rounds (GEMMs and host); "
+                                  "speeds 1.00/0.44, host 1.00/0.44; all report one device (host, model, cores)")
+    # the threshold: 1.2x in each round is slower, 1.19x in one of them is not
+    assert _probe([(1.2, 1.0)] * 3 + [(1.19, 1.0)]).judged().speeds == (1.0, 1.0)
+    assert _probe([(1.2, 1.0)] * 4).judged().speeds == (1.0, pytest.approx(1 / 1.2))
+
+
+@pytest.mark.pure
+def test_on_a_cpu_both_figures_must_agree_and_one_identity_holds_one_memory() -> None:
+    """A CPU rank's GEMMs and its dispatch time the same cores: a host that is slower in every round while its GEMMs
+    keep pace is noise there (judged alike), but on a GPU it is a slower host (host_slowdown). Ranks of one identity
+    hold the least of their memories (a CPU rank's share of the host's available RAM moved 10 % between two reads);
+    devices of another identity differ by RANK_MEMORY_SPREAD."""
+    gemms, host = [(1.0, 1.0)] * 4, [(5.0, 2.5)] * 4
+    assert _probe(gemms, host).judged().speeds == _probe(gemms, host).judged().host_speeds == (1.0, 1.0)
+    gpu = _probe(gemms, host, cpu=False).judged()
+    assert gpu.speeds == (1.0, 1.0) and gpu.host_speeds == (1.0, 0.5) and gpu.slower == (1,)
+    assert "(GEMMs or host)" in gpu.line()
+    wobble = _probe(gemms, memory=(10.0, 9.0)).judged()
+    assert wobble.memory_gib == (9.0, 9.0) and not wobble.differ
+    cards = _probe(gemms, memory=(80.0, 40.0), identity=(1, 2), cpu=False).judged()
+    assert cards.memory_gib == (80.0, 40.0) and cards.differ and not cards.slower
+    assert cards.line().startswith("ranks    differ in memory: 80/40 GiB; 2 device identities (ranks 0; 1)")
+
+
+@pytest.mark.pure
+def test_rank_measures_make_one_device_each_from_the_judged_speeds() -> None:
+    """Where the ranks differ each gets the fastest device scaled by its judged speeds, with its identity's memory; where
+    they do not (also when a difference did not persist) the cluster lists no rank devices."""
+    from lightning_fleet.calibrate.measure import rank_devices, with_rank_devices
+    from lightning_fleet.calibrate.ranks import RankMeasures
     from lightning_fleet.planning import load_cluster
 
-    alike = RankMeasures(flops_per_s=(1.0, 1.1), ops_per_s=(5.0, 4.5), memory_gib=(10.0, 10.5))
-    assert not alike.differ()
-    slow_host = RankMeasures(flops_per_s=(1.0, 1.1), ops_per_s=(5.0, 2.5), memory_gib=(10.0, 10.0))
-    small = RankMeasures(flops_per_s=(1.0, 1.0), ops_per_s=(5.0, 5.0), memory_gib=(10.0, 5.0))
-    assert slow_host.differ() and small.differ() and slow_host.fastest == 1
-    device = load_cluster("cpu").groups[0].device
-    hosts = rank_devices(device, slow_host)
-    assert [d.host_slowdown for d in hosts] == [1.0, 2.0] and [d.slowdown for d in hosts] == [1.0, 1.0]
-    assert hosts[0].peak_tflops == hosts[1].peak_tflops == device.peak_tflops  # 1.1x: noise, alike
-    memory = rank_devices(device, small)
-    assert [d.memory_gib for d in memory] == [10.0, 5.0] and memory[0].peak_tflops == memory[1].peak_tflops
-    slow = rank_devices(device, RankMeasures(flops_per_s=(2.0, 1.0), ops_per_s=(5.0, 5.0), memory_gib=(10.0, 10.0)))
-    assert slow[1].slowdown == 2.0 and slow[1].peak_tflops.fp32 == device.peak_tflops.fp32 / 2
+    cpu = load_cluster("cpu")
+    device = cpu.groups[0].device
+    assert rank_devices(device, _probe([(1.0, 0.5), (1.0, 1.0)] * 2)) == ()
+    slow = rank_devices(device, _probe([(2.0, 1.0)] * 4, [(6.0, 2.0)] * 4))
+    assert [d.slowdown for d in slow] == [1.0, 2.0] and [d.host_slowdown for d in slow] == [1.0, 3.0]
+    assert slow[1].peak_tflops.fp32 == device.peak_tflops.fp32 / 2 and [d.memory_gib for d in slow] == [10.0, 10.0]
+    two = dataclasses.replace(cpu, groups=(dataclasses.replace(cpu.groups[0], devices_per_node=2),))
+    assert with_rank_devices(two, _probe([(2.0, 1.0)] * 4)).rank_devices[1].slowdown == 2.0
+    assert with_rank_devices(dataclasses.replace(two, rank_devices=slow), _probe([(1.0, 1.0)] * 4)).rank_devices == ()
+    with pytest.raises(ValueError, match="rank measures need the same ranks in each round and positive rates"):
+        RankMeasures(flops_rounds=((1.0,),), ops_rounds=((1.0, 1.0),), memory_gib=(1.0,), identity=(1,))
+
+
+@pytest.mark.unit
+def test_the_cache_keeps_no_per_rank_speed(tmp_path) -> None:
+    """A job's measurement is cached without its rank devices, and a cache written before (which kept them: every later
+    job on the host split its batch by one busy measurement) reads back without them; an explicit cluster file
+    (``fleet calibrate --out``) keeps them."""
+    from lightning_fleet.calibrate.measure import load_cached, save_cache, write_cluster
+    from lightning_fleet.planning import cluster_from_dict, load_cluster
+    from lightning_fleet.planning.cluster import devices_by_speed
+
+    cpu = load_cluster("cpu")
+    two = dataclasses.replace(cpu, groups=(dataclasses.replace(cpu.groups[0], devices_per_node=2),))
+    split = dataclasses.replace(two, rank_devices=devices_by_speed(two.groups[0].device, [1.0, 0.4], [1.0, 0.45]))
+    save_cache(split, tmp_path / "new.yaml")
+    assert "rank_devices" not in (tmp_path / "new.yaml").read_text() and load_cached(tmp_path / "new.yaml") == two
+    write_cluster(split, tmp_path / "old.yaml")  # what the cache held before
+    assert "rank_devices" in (tmp_path / "old.yaml").read_text() and load_cached(tmp_path / "old.yaml") == two
+    assert cluster_from_dict(yaml.safe_load((tmp_path / "old.yaml").read_text())) == split

@@ -36,6 +36,7 @@ PLANNING_MAY_IMPORT = frozenset({"yaml"})
 """What the planning core may import beyond the standard library and itself."""
 
 PURE_MODULES = frozenset({
+    "lightning_fleet.calibrate.ranks",
     "lightning_fleet.decide",
     "lightning_fleet.runtime.base",
     "lightning_fleet.runtime.deepspeed.capabilities",

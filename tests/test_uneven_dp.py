@@ -161,6 +161,40 @@ def test_uneven_sizes_are_refused_for_a_loss_that_depends_on_the_micro_batch_and
         run(facts(), world=4, plan="dp_mbs=3/1,pp=2")
 
 
+def _rounds(*rounds: tuple[float, float]):
+    """A probe of two ranks of one GPU model (GEMM and host rates alike), round by round."""
+    from lightning_fleet.calibrate.ranks import RankMeasures
+
+    return RankMeasures(flops_rounds=rounds, ops_rounds=rounds, memory_gib=(80.0, 80.0), identity=(1, 1))
+
+
+@pytest.mark.pure
+def test_a_rebalance_splits_for_a_lasting_slowdown_only_and_goes_back_to_even_when_it_ends() -> None:
+    """On two ranks of 16 samples each: rank 1 at half speed in every probe round moves samples to rank 0 (22/10); at half
+    speed in three rounds of four (noise) nothing changes; and a split whose cause is gone (the ranks alike again, or
+    only noise left) returns to the even split, saying so with the figures behind it."""
+    from lightning_fleet.calibrate.ranks import rebalance_by
+
+    spec, cluster = facts(gbs=32).spec, make_cluster(devices_per_node=2)
+    even = parse_plan("dp=2,zero=1,mbs=16,gas=1", global_batch_size=32)
+    split = parse_plan("dp=2,zero=1,mbs=24,gas=1,dp_mbs=24/8", global_batch_size=32)
+    noise = _rounds((1.0, 0.5), (1.0, 0.5), (1.0, 0.5), (1.0, 1.0))
+
+    def after(probe, plan):  # type: ignore[no-untyped-def]
+        return rebalance_by(probe, spec, cluster, plan, overlaps=DEEPSPEED.overlaps, step=100, start=102)
+
+    slower, line = after(_rounds(*[(1.0, 0.5)] * 4), even)
+    assert slower.plan.dp_mbs == (22, 10)
+    assert line.startswith("lightning_fleet: rank speeds 1.00/0.50 at step 100: micro-batches 22/10 from step 102 (predicted ")
+    assert "differ: rank(s) 1 slower by 1.2x or more in each of 4 probe rounds" in line
+    assert after(noise, even) is None
+    for probe in (_rounds(*[(1.0, 1.0)] * 4), noise):
+        back, line = after(probe, split)
+        assert back.plan == even and back.plan.dp_mbs is None
+        assert "micro-batches 16 on every replica (the even split: the ranks measure alike again) from step 102" in line
+        assert "alike: no rank slower by 1.2x in each of 4 probe rounds" in line
+
+
 @pytest.mark.pure
 def test_a_checkpoint_continues_under_another_split_of_the_same_layout() -> None:
     text = "dp=4,tp=1,pp=1,zero=2,mbs=2,gas=4,recompute=none,sp=false,vpp=1,offload=none"
@@ -269,7 +303,42 @@ def test_the_job_measures_each_rank_and_gives_the_slower_one_less(tmp_path, monk
     results, log = _throttled_run(tmp_path, monkeypatch, 3000, STEPS)
     chosen = parse_plan(results[0]["plan"])
     assert chosen.dp_mbs is not None and chosen.dp_mbs[0] > chosen.dp_mbs[1], (results[0]["plan"], log[-3000:])
+    # the start-up report says why: slower in every probe round, with the figures
+    assert re.search(r"  ranks    differ: rank\(s\) 1 slower by 1.2x or more in each of 4 probe rounds \(GEMMs and host\).*"
+                     r"rank 1 GEMMs 0\.\d\d/0\.\d\d/0\.\d\d/0\.\d\d", log), log[-3000:]
     _matches_reference(results[0], _throttled_reference(STEPS), results[0]["plan"], atol=THROTTLED_ATOL)
+
+
+@pytest.mark.multiprocess
+def test_a_busy_homogeneous_machine_keeps_the_even_split(tmp_path, monkeypatch) -> None:
+    """Two unpinned ranks on one host while a busy loop holds core 1 (taskset) for the whole job, starting from a cache
+    that a busy measurement left (rank 1 "2.5x slower", as every job on the host then split its batch), probing every 2
+    steps: the cache's per-rank devices are not used, this start's probe rounds find the ranks alike and the report says
+    so with the figures, the job trains the even split and never re-splits."""
+    import socket
+    import subprocess
+    import sys
+
+    from lightning_fleet.calibrate.measure import write_cluster
+    from lightning_fleet.planning import load_cluster
+    from lightning_fleet.planning.cluster import devices_by_speed
+    from tests.multiprocess import ROOT, run_worker
+
+    cpu = load_cluster("cpu")
+    stale = dataclasses.replace(cpu, rank_devices=devices_by_speed(cpu.groups[0].device, [1.0, 0.4], [1.0, 0.4]))
+    write_cluster(stale, tmp_path / "cache" / f"cluster-{socket.gethostname()}-cpu-1x2.yaml")  # as the old cache held it
+    monkeypatch.setenv("FLEET_TEST_REBALANCE_EVERY", "2")
+    monkeypatch.delenv("FLEET_TEST_THROTTLED_CGROUP", raising=False)
+    busy = subprocess.Popen(["taskset", "-c", "1", sys.executable, "-c", "while True: pass"])
+    try:
+        results, log = run_worker(tmp_path, "--plans", "dp=2,zero=1", "--steps", "6", "--gbs", str(GBS),
+                                  worker=ROOT / "tests" / "workers" / "throttled_gpt.py")
+    finally:
+        busy.kill()
+        busy.wait()
+    assert parse_plan(results[0]["plan"]).dp_mbs is None, (results[0]["plan"], log[-3000:])
+    assert re.search(r"  ranks    alike: no rank slower by 1.2x in each of 4 probe rounds .*rank 1 GEMMs [\d./]+, host", log), log[-3000:]
+    assert "lightning_fleet: rank speeds" not in log, log[-3000:]
 
 
 def _throttled_reference(steps: int) -> tuple:

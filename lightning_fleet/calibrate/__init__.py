@@ -1,7 +1,9 @@
 """Calibration: measure the machine and the framework, and write what was found as a cluster YAML.
 
-Three rooms, in the order they may import one another (each only the ones before it):
+Four rooms, in the order they may import one another (each only the ones before it):
 
+- ``ranks.py``    pure (stdlib and the planning core): whether a job's ranks differ, judged from their probe rounds
+  (:class:`~.ranks.RankMeasures`), and the line that says why.
 - ``measure.py``  below the strategy. Microbenchmarks on the live process group (GEMMs, all-reduce,
   operator dispatch, element-wise, causal fused attention, AdamW, host copies), their fits
   (:class:`~.measure.MatmulFit`, ring alpha-beta, :class:`~.measure.AttentionFit`), :class:`~.measure.WorldShape`,

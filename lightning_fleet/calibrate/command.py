@@ -19,7 +19,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from lightning_fleet.calibrate.measure import AttentionFit, MatmulFit, Measurement, WorldShape, measure, save_cache
+from lightning_fleet.calibrate.measure import AttentionFit, MatmulFit, Measurement, WorldShape, measure, write_cluster
 from lightning_fleet.calibrate.probe import quiet_output, with_framework_overheads
 from lightning_fleet.planning import ClusterSpec, LinkSpec
 from lightning_fleet.planning.cluster import ATTENTION_EFFICIENCY_MAX
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     measured = measure(device, WorldShape(world_size=world, num_nodes=max(1, world // local), local_world_size=local), baseline)
     cluster = measured.cluster if args.no_framework else with_framework_overheads(measured.cluster)
     if int(os.environ.get("RANK", "0")) == 0:
-        save_cache(cluster, Path(args.out))
+        write_cluster(cluster, Path(args.out))
         lines = summary(measured, cluster, args.out, time.perf_counter() - started, framework=not args.no_framework)
         print("\n".join(lines), flush=True)
     if world > 1:
@@ -74,7 +74,7 @@ def summary(measured: Measurement, cluster: ClusterSpec, out: str, seconds: floa
     host = f", host {cluster.host.memory_gib:g} GiB (copies {cluster.host.pcie_GBps:g} GB/s)" if cluster.host is not None else ""
     return [
         f"fleet calibrate: {cluster.world_size} x {group.device.name} on {group.nodes} node(s), measured in {seconds:.1f} s",
-        f"  GEMM peak   {peaks}; half rate at d={c.matmul_half_dim:g}" + _ranks_text(cluster),
+        f"  GEMM peak   {peaks}; half rate at d={c.matmul_half_dim:g}" + _ranks_text(measured, cluster),
         f"  memory      {group.device.memory_gib:g} GiB per device (runtime reserve {c.memory_reserve_gib:g} GiB){host}",
         f"  link        {link}",
         f"  operators   dispatch {c.op_overhead_s * 1e6:.3g} us, element-wise {(c.elementwise_s or 0.0) * 1e9:.3g} ns per element, "
@@ -85,14 +85,18 @@ def summary(measured: Measurement, cluster: ClusterSpec, out: str, seconds: floa
     ]
 
 
-def _ranks_text(cluster: ClusterSpec) -> str:
-    """'' when the ranks measured alike, else each rank's fp32 peak, host slowdown and memory (they differ by
-    RANK_SPEED_SPREAD or RANK_MEMORY_SPREAD or more)."""
-    if not cluster.rank_devices:
+def _ranks_text(measured: Measurement, cluster: ClusterSpec) -> str:
+    """'' for one process, else why the ranks were judged alike or different, with each rank's figures round by round
+    (:meth:`~lightning_fleet.calibrate.ranks.RankJudgement.line`), and where they differ each rank's fp32 peak, host
+    slowdown and memory as the file keeps them."""
+    if measured.ranks is None or measured.ranks.world_size == 1:
         return ""
-    ranks = ", ".join(f"{d.peak_tflops.fp32:.3g} TFLOP/s, host x{d.host_slowdown:.2g}, {d.memory_gib:.3g} GiB"
-                      for d in cluster.rank_devices)
-    return f"; ranks differ, by rank (fp32 peak, host time, memory): {ranks} (each kept: rank_devices)"
+    text = "; " + measured.ranks.judged().line().removeprefix("ranks    ")
+    if cluster.rank_devices:
+        ranks = ", ".join(f"{d.peak_tflops.fp32:.3g} TFLOP/s, host x{d.host_slowdown:.2g}, {d.memory_gib:.3g} GiB"
+                          for d in cluster.rank_devices)
+        text += f"; by rank (fp32 peak, host time, memory): {ranks} (each kept: rank_devices)"
+    return text
 
 
 def _link_text(link: LinkSpec) -> str:

@@ -5,8 +5,9 @@ host's available RAM split across its local ranks); matmul throughput and collec
 bandwidth from short microbenchmarks on the live process group, fitted here (saturating GEMM curve;
 ring alpha-beta of the all-reduce, and of the all-gather and the reduce-scatter each on its own: :func:`fit_link`);
 a fused attention kernel's rate against the GEMMs' from causal scaled_dot_product_attention calls
-(:func:`fit_attention_efficiency`). The result is cached per host, device kind and
-world shape, so a restart does not measure again.
+(:func:`fit_attention_efficiency`); each rank's speed in probe rounds (:func:`measure_ranks`, judged by
+:mod:`~lightning_fleet.calibrate.ranks`). The result is cached per host, device kind and world shape, so a restart does
+not measure again -- all but the per-rank devices, which each job probes again at its start.
 
 Imports torch and the planning core, never Lightning, DeepSpeed or the strategy. Imported by the
 strategy (to measure a cluster it was not given), by :mod:`lightning_fleet.calibrate.probe` and
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import platform
 import socket
 import statistics
 import time
@@ -28,6 +30,13 @@ import psutil
 import torch
 import torch.distributed as dist
 
+from lightning_fleet.calibrate.ranks import (  # noqa: F401  (the spreads: re-exported, the measure's vocabulary)
+    RANK_MEMORY_SPREAD,
+    RANK_PROBE_ROUNDS,
+    RANK_SPEED_SPREAD,
+    RankMeasures,
+    device_identity,
+)
 from lightning_fleet.planning import (
     Calibration,
     ClusterSpec,
@@ -227,11 +236,14 @@ def matmul_rate(tokens: int, width: int, device: torch.device, dtype: torch.dtyp
     return 2 * tokens * width * width / max(seconds - dispatch_s, seconds / 10)
 
 
-RANK_PROBE_S = 0.5
-"""How long each rank runs its probe (:func:`sustained_speed`): many periods of a CPU quota (cgroup
-``cpu.cfs_period_us`` is 100 ms by default) or of a shared device's time slices."""
+RANK_PROBE_S = 1.0
+"""How long the ranks' speed probe takes (:func:`measure_ranks`), in RANK_PROBE_ROUNDS rounds of :func:`sustained_speed`:
+each round spans a few periods of a CPU quota (cgroup ``cpu.cfs_period_us`` is 100 ms by default) or of a shared
+device's time slices."""
+PROBE_SLICE_S = 0.01
+"""How long each slice of the probe runs one kind of work (GEMMs or one-element operators) before the other."""
 HOST_PROBE_SHARE = 0.25
-"""The share of the probe's rounds that time the host (one-element operators, which only dispatch) rather than GEMMs."""
+"""The share of the probe's slices that time the host (one-element operators, which only dispatch) rather than GEMMs."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -244,11 +256,16 @@ class RankSpeed:
     """Operators per second its host dispatches (one-element adds: no compute to speak of)."""
 
 
-def sustained_speed(device: torch.device, dtype: torch.dtype = torch.float32, width: int = 256) -> RankSpeed:
-    """Rounds of eight [width x width] GEMMs and rounds of 64 one-element adds, alternating (one add round in
-    1 / HOST_PROBE_SHARE) for RANK_PROBE_S, each kind's rate its work over the time its rounds took: the mean over the
-    whole span, not the median of short samples that :func:`matmul_rate` takes, so a rank slowed by a CPU quota or a
-    shared device shows the speed it trains at; alternating, both kinds see the same share of its stalls."""
+def sustained_speed(device: torch.device, dtype: torch.dtype = torch.float32, width: int = 256,
+                    seconds: float | None = None) -> RankSpeed:
+    """Slices of PROBE_SLICE_S of [width x width] GEMMs and of one-element adds, alternating (one add slice in
+    1 / HOST_PROBE_SHARE) for ``seconds`` (one probe round: RANK_PROBE_S / RANK_PROBE_ROUNDS), each kind's rate its work
+    over the time its slices took: the mean over the whole span, not the median of short samples that
+    :func:`matmul_rate` takes, so a rank slowed by a CPU quota or a shared device shows the speed it trains at. The
+    slices are equally long, so each kind sees its share of the stalls by time: with rounds of 64 adds (0.1 ms against
+    a GEMM round's 5 ms) one time slice of another process landing on an add round made a rank's host 2-12x slower
+    on a busy machine."""
+    seconds = RANK_PROBE_S / RANK_PROBE_ROUNDS if seconds is None else seconds
     a = torch.randn(width, width, device=device, dtype=dtype)
     b = torch.randn(width, width, device=device, dtype=dtype)
     t = torch.zeros(1, device=device)
@@ -256,57 +273,54 @@ def sustained_speed(device: torch.device, dtype: torch.dtype = torch.float32, wi
     every = max(2, round(1 / HOST_PROBE_SHARE))
     gemms = adds = 0
     gemm_s = add_s = 0.0
-    start = last = time.perf_counter()
-    for round_ in range(1 << 30):
-        if round_ % every:
-            for _ in range(8):
+    start = time.perf_counter()
+    for slice_ in range(1 << 30):
+        begun = now = time.perf_counter()
+        while now - begun < PROBE_SLICE_S:
+            if slice_ % every:
                 a @ b
-            gemms += 8
+                gemms += 1
+            else:
+                for _ in range(16):
+                    t.add_(1)
+                adds += 16
+            sync()
+            now = time.perf_counter()
+        if slice_ % every:
+            gemm_s += now - begun
         else:
-            for _ in range(64):
-                t.add_(1)
-            adds += 64
-        sync()
-        now = time.perf_counter()
-        if round_ % every:
-            gemm_s += now - last
-        else:
-            add_s += now - last
-        last = now
-        if now - start >= RANK_PROBE_S and gemms and adds:
+            add_s += now - begun
+        if now - start >= seconds and gemms and adds:
             break
     return RankSpeed(flops_per_s=2 * width**3 * gemms / gemm_s, ops_per_s=adds / add_s)
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RankMeasures:
-    """Every rank's :class:`RankSpeed` and memory, rank 0 first (the same on every rank)."""
-
-    flops_per_s: tuple[float, ...]
-    """Each rank's GEMM rate."""
-    ops_per_s: tuple[float, ...]
-    """Each rank's host dispatch rate."""
-    memory_gib: tuple[float, ...]
-    """Each rank's device memory, in GiB."""
-
-    def differ(self) -> bool:
-        """Whether the ranks differ enough to be described one by one: speeds by RANK_SPEED_SPREAD or more, or memory
-        by RANK_MEMORY_SPREAD or more."""
-        return any(max(v) >= spread * min(v) for v, spread in (
-            (self.flops_per_s, RANK_SPEED_SPREAD), (self.ops_per_s, RANK_SPEED_SPREAD), (self.memory_gib, RANK_MEMORY_SPREAD)))
-
-    @property
-    def fastest(self) -> int:
-        """The rank with the fastest device (the first of equals)."""
-        return self.flops_per_s.index(max(self.flops_per_s))
+def measure_ranks(device: torch.device, memory_gib: float, rounds: int = RANK_PROBE_ROUNDS) -> RankMeasures:
+    """Every rank's :func:`sustained_speed` in ``rounds`` rounds, all ranks probing together and gathering each round's
+    rates before the next, with each rank's ``memory_gib`` and device identity (collective)."""
+    per_round = [all_ranks_rows(dataclasses.astuple(sustained_speed(device)), device) for _ in range(rounds)]
+    facts = all_ranks_rows((memory_gib, float(device_identity(device_identity_text(device)))), device)
+    return RankMeasures(flops_rounds=tuple(tuple(r[0] for r in rows) for rows in per_round),
+                        ops_rounds=tuple(tuple(r[1] for r in rows) for rows in per_round),
+                        memory_gib=tuple(f[0] for f in facts), identity=tuple(int(f[1]) for f in facts),
+                        host_is_device=device.type == "cpu")
 
 
-def measure_ranks(device: torch.device, memory_gib: float) -> RankMeasures:
-    """This rank's :func:`sustained_speed` and ``memory_gib``, gathered from every rank (collective)."""
-    speed = sustained_speed(device)
-    rows = all_ranks_rows((speed.flops_per_s, speed.ops_per_s, memory_gib), device)
-    return RankMeasures(flops_per_s=tuple(r[0] for r in rows), ops_per_s=tuple(r[1] for r in rows),
-                        memory_gib=tuple(r[2] for r in rows))
+def device_identity_text(device: torch.device) -> str:
+    """This rank's device as text: the host, and its GPU's name and memory, or its CPU's model and the cores it may run
+    on (its affinity)."""
+    host = socket.gethostname()
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return f"{host}/{props.name}/{props.total_memory}"
+    model = platform.processor()
+    try:
+        model = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"{host}/{model}/{cores} cores"
 
 
 def device_memory_gib(device: torch.device, local_world_size: int) -> float:
@@ -416,21 +430,12 @@ def matmul_points_by_rank(
     return points, by_rank
 
 
-RANK_SPEED_SPREAD = 1.2
-"""Ranks whose sustained speeds (:func:`sustained_speed`, the GEMMs' or the host's) differ by this factor or more are
-described one by one (``ClusterSpec.rank_devices``), so the planner can give the faster ones more of the batch; closer
-ones are one device (run-to-run noise on a shared VM is ~10 %)."""
-RANK_MEMORY_SPREAD = 1.1
-"""Ranks whose memory differs by this factor or more are described one by one (a GPU node of 40 GB cards beside one of
-80 GB; a CPU rank's available RAM moves by a few percent between ranks of one host)."""
-
-
 def _device_spec(
     device: torch.device, shape: WorldShape, dispatch_s: float
-) -> tuple[DeviceSpec, dict[str, MatmulFit], RankMeasures | None]:
-    """The measured device (the slowest rank's), the GEMM fit of each precision (``dispatch_s``: the per-operator host
-    time, taken off each GEMM's time), and what each rank measured where the ranks differ (:meth:`RankMeasures.differ`;
-    else None). The cluster keeps one half size, fp32's."""
+) -> tuple[DeviceSpec, dict[str, MatmulFit], RankMeasures]:
+    """The measured device (the slowest rank's, or the fastest's where the ranks differ: :meth:`RankMeasures.judged`),
+    the GEMM fit of each precision (``dispatch_s``: the per-operator host time, taken off each GEMM's time), and what
+    each rank measured. The cluster keeps one half size, fp32's."""
     precisions = (("fp32", torch.float32), ("bf16", torch.bfloat16))
     measured = {key: matmul_points_by_rank(device, dtype, dispatch_s) for key, dtype in precisions}
     fits = {key: fit_matmul(key, points) for key, (points, _) in measured.items()}
@@ -445,21 +450,27 @@ def _device_spec(
     spec = DeviceSpec(name=name, memory_gib=round(min(ranks.memory_gib), 2),
                       peak_tflops=PeakTflops(bf16=peak["bf16"], fp16=fp16, fp32=peak["fp32"]))
     if not ranks.differ():
-        return spec, fits, None
+        return spec, fits, ranks
     own = {key: fit_matmul(key, measured[key][1][ranks.fastest]).peak_flops / 1e12 for key in measured}
     peak = PeakTflops(bf16=own["bf16"], fp16=own["bf16"] if device.type == "cuda" else own["fp32"], fp32=own["fp32"])
     return dataclasses.replace(spec, peak_tflops=peak), fits, ranks
 
 
 def rank_devices(fastest: DeviceSpec, ranks: RankMeasures) -> tuple[DeviceSpec, ...]:
-    """One device per rank (:func:`~lightning_fleet.planning.cluster.devices_by_speed`): ``fastest`` scaled by each
-    rank's device and host speed where those differ by RANK_SPEED_SPREAD or more (else alike: noise), with its own
-    memory (rounded as the cluster states it)."""
+    """One device per rank (:func:`~lightning_fleet.planning.cluster.devices_by_speed`) where the ranks differ
+    (:meth:`RankMeasures.judged`), else none: ``fastest`` scaled by each rank's judged device and host speed (1 where a
+    difference did not persist over the probe's rounds), with the memory of its identity (rounded as the cluster states
+    it)."""
+    judged = ranks.judged()
+    if not judged.differ:
+        return ()
+    return devices_by_speed(fastest, list(judged.speeds), list(judged.host_speeds), [round(m, 2) for m in judged.memory_gib])
 
-    def spread(values: tuple[float, ...]) -> list[float]:
-        return list(values) if max(values) >= RANK_SPEED_SPREAD * min(values) else [1.0] * len(values)
 
-    return devices_by_speed(fastest, spread(ranks.flops_per_s), spread(ranks.ops_per_s), [round(m, 2) for m in ranks.memory_gib])
+def with_rank_devices(cluster: ClusterSpec, ranks: RankMeasures) -> ClusterSpec:
+    """``cluster`` (one device group, as measured) with each rank's device as this probe judged it (:func:`rank_devices`
+    of its group's device): what a job planning from the cache uses, the ranks re-probed at its start."""
+    return dataclasses.replace(cluster, rank_devices=rank_devices(cluster.groups[0].device, ranks))
 
 
 def _link(device: torch.device, world_size: int) -> LinkSpec:
@@ -685,6 +696,8 @@ class Measurement:
     """The GEMM fit of each precision (fp32, bf16)."""
     attention: AttentionFit | None = None
     """The fused attention kernel's fit (None: the device runs causal attention on the math path; the default stays)."""
+    ranks: RankMeasures | None = None
+    """What each rank's speed probe measured (:meth:`RankMeasures.judged` says whether and why they differ)."""
 
 
 def measure_cluster(device: torch.device, shape: WorldShape, baseline_rss_bytes: float | None = None) -> ClusterSpec:
@@ -729,16 +742,16 @@ def measure(device: torch.device, shape: WorldShape, baseline_rss_bytes: float |
             memory_reserve_fraction=0.05 if device.type == "cuda" else 0.0,
             memory_reserve_gib=round(1.0 if device.type == "cuda" else rss_gib, 3),
         ),
-        rank_devices=() if ranks is None else rank_devices(spec, ranks),
+        rank_devices=rank_devices(spec, ranks),
     )
-    return Measurement(cluster=cluster, matmul=tuple(fits.values()), attention=attention)
+    return Measurement(cluster=cluster, matmul=tuple(fits.values()), attention=attention, ranks=ranks)
 
 
-def _slowest_or(ranks: RankMeasures | None, value: float, device: torch.device, *, slowest: Any) -> float:
-    """``value`` of the fastest rank where ``ranks`` describes the ranks one by one, else the slowest rank's
-    (``slowest``: max for a time, min for a rate); collective."""
+def _slowest_or(ranks: RankMeasures, value: float, device: torch.device, *, slowest: Any) -> float:
+    """``value`` of the fastest rank where the ranks differ (:meth:`RankMeasures.differ`: they are described one by
+    one), else the slowest rank's (``slowest``: max for a time, min for a rate); collective."""
     values = all_ranks(value, device)
-    return values[ranks.fastest] if ranks is not None else slowest(values)
+    return values[ranks.fastest] if ranks.differ() else slowest(values)
 
 
 def cache_path(device: torch.device, shape: WorldShape) -> Path:
@@ -749,16 +762,25 @@ def cache_path(device: torch.device, shape: WorldShape) -> Path:
 
 
 def load_cached(path: Path) -> ClusterSpec | None:
-    """The cached cluster, or None when there is none or it no longer parses."""
+    """The cached cluster without per-rank devices (what a cache written before they were left out still holds: a
+    rank's speed is no fact of the host, :func:`save_cache`), or None when there is none or it no longer parses."""
     if not path.is_file():
         return None
     try:
-        return cluster_from_dict(read_yaml(path, "cached cluster"))
+        cluster = cluster_from_dict(read_yaml(path, "cached cluster"))
     except ValueError:
         return None
+    return dataclasses.replace(cluster, rank_devices=())
 
 
 def save_cache(cluster: ClusterSpec, path: Path) -> None:
+    """Keep what persists of a measurement for the next job on this host: the device kind, its memory, the GEMM, link
+    and operator fits -- not the per-rank devices, which a busy machine makes differ for one measurement (every later
+    job then split its batch 12/4): each job probes its ranks again at its start (:func:`with_rank_devices`)."""
+    write_cluster(dataclasses.replace(cluster, rank_devices=()), path)
+
+
+def write_cluster(cluster: ClusterSpec, path: Path) -> None:
     """Write the cluster YAML atomically."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")

@@ -1,5 +1,6 @@
 """Worker for tests/test_uneven_dp.py: the training worker (train_gpt.py) with each rank pinned to its own core and
-rank 1 moved into the CPU cgroup named by FLEET_TEST_THROTTLED_CGROUP before torch loads. With
+rank 1 moved into the CPU cgroup named by FLEET_TEST_THROTTLED_CGROUP before torch loads (without that variable: ranks
+unpinned and unthrottled, as Lightning's launcher starts them). With
 FLEET_TEST_QUOTA_AT_STEP=K and FLEET_TEST_QUOTA_US=Q, rank 0 sets that cgroup's quota to Q (per 10 ms period) when step K
 starts (a slowdown in the middle of the run); FLEET_TEST_REBALANCE_EVERY=N is FleetStrategy(rebalance_every_n_steps=N).
 The model is the example GPT at SIZES.
@@ -14,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-if __name__ == "__main__":
+if __name__ == "__main__" and "FLEET_TEST_THROTTLED_CGROUP" in os.environ:
     rank = int(os.environ.get("LOCAL_RANK", "0"))  # Lightning's launcher re-runs this script for rank 1
     os.sched_setaffinity(0, {rank % os.cpu_count()})
     if rank == 1:
