@@ -289,7 +289,7 @@ def test_skip_leaves_the_zero0_step_unapplied_on_every_rank(tmp_path):
                 "--plan", "dp=2,zero=0", "--non-finite", "skip", "--every", "1", "--keep", "9"], worker_env(tmp_path), 150)
     assert done.returncode == 0, done.stdout[-3000:]
     assert "lightning_fleet: step 5: the loss is NaN on rank 0; the step was skipped" in done.stdout
-    assert "1 step(s) skipped for a non-finite loss (non_finite='skip'): 5" in done.stdout
+    assert "1 step(s) skipped for a non-finite loss or gradient (non_finite='skip'): 5" in done.stdout
     states = {step: torch.load(next((tmp_path / "ckpt" / step_dir_name(step) / "state" / "checkpoint").glob("*model_states.pt")),
                                weights_only=False) for step in (4, 5, 6)}
     for name, tensor in states[4]["module"].items():
@@ -314,16 +314,25 @@ def _fit_in_process(tmp_path, *, steps: int, callbacks=(), keep: int = 1, plan: 
             super().__init__()
             self.net = torch.nn.Linear(4, 1)
             self.detached_nan_at: int | None = None
+            self.gradient_nan_at: int | None = None
+            self.per_step_schedule = False
 
         def training_step(self, batch, batch_idx):
             x, y = batch
-            loss = torch.nn.functional.mse_loss(self.net(x), y)
+            out = self.net(x)
+            if self.trainer.global_step + 1 == self.gradient_nan_at:
+                out.register_hook(lambda grad: grad * float("nan"))  # a finite loss whose gradient is NaN
+            loss = torch.nn.functional.mse_loss(out, y)
             if self.trainer.global_step + 1 == self.detached_nan_at:
                 loss = loss + torch.tensor(float("nan"))  # NaN with finite gradients: DeepSpeed would apply the step
             return loss
 
         def configure_optimizers(self):
-            return torch.optim.Adam(self.parameters(), lr=0.05)
+            optimizer = torch.optim.Adam(self.parameters(), lr=0.05)
+            if not self.per_step_schedule:
+                return optimizer
+            schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
     seed_everything(0)
     g = torch.Generator().manual_seed(0)
@@ -349,6 +358,63 @@ def test_skip_holds_under_zero2_even_where_the_gradients_are_finite(tmp_path):
     assert torch.equal(weights[3], weights[4]) and not torch.equal(weights[4], weights[5])
     guard = next(c for c in trainer.callbacks if type(c).__name__ == "NonFiniteGuard")
     assert guard.skipped == [4]
+
+
+def _guard(trainer):
+    return next(c for c in trainer.callbacks if type(c).__name__ == "NonFiniteGuard")
+
+
+@pytest.mark.unit
+@pytest.mark.usefixtures("restore_environment")
+@pytest.mark.parametrize("zero", [0, 2])
+@pytest.mark.parametrize("cause", ["loss", "gradient"])
+def test_a_skipped_step_does_not_advance_a_per_step_lr_schedule(tmp_path, zero, cause):
+    """Before: Lightning stepped the schedule after the skipped step as after any other, so a run with a skipped step
+    went on with the learning rate of one step later. ZeRO-2's case is a finite loss whose gradient DeepSpeed's own
+    overflow check skipped (also caught now: see the next test)."""
+    trainer, module, data = _fit_in_process(tmp_path, steps=6, keep=9, plan=f"dp=1,zero={zero}", non_finite="skip")
+    module.per_step_schedule = True
+    setattr(module, "detached_nan_at" if cause == "loss" else "gradient_nan_at", 4)
+    trainer.fit(module, data)
+    assert _guard(trainer).skipped == [4]
+    schedule = trainer.lr_scheduler_configs[0].scheduler
+    assert schedule.last_epoch == 5  # 6 optimizer steps, 5 applied
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.05 / 6)
+    assert type(trainer.fit_loop.epoch_loop).update_lr_schedulers.__name__ == "update_lr_schedulers"
+    assert "update_lr_schedulers" not in vars(trainer.fit_loop.epoch_loop)  # given back at teardown
+
+
+@pytest.mark.unit
+@pytest.mark.usefixtures("restore_environment")
+@pytest.mark.parametrize("zero", [0, 2])
+def test_a_nan_gradient_with_a_finite_loss_stops_the_job_in_one_line(tmp_path, zero):
+    """Before: at ZeRO-0 the NaN gradient was applied (NaN weights, found only at the next save); at ZeRO-2 only
+    DeepSpeed's overflow message said anything and the job ran on."""
+    trainer, module, data = _fit_in_process(tmp_path, steps=6, keep=9, plan=f"dp=1,zero={zero}")
+    module.gradient_nan_at = 3
+    with pytest.raises(FleetError) as err:
+        trainer.fit(module, data)
+    message = str(err.value)
+    assert "\n" not in message and is_deterministic(err.value)
+    assert message.startswith("the gradient is ") and "(the loss is finite on every rank" in message
+    assert "at step 3 (it was not applied)" in message and "non_finite='skip'" in message
+    assert f"the last good checkpoint is {tmp_path / 'ckpt' / 'step-000000002'} (step 2)" in message
+    assert all(map(finite_checkpoint, committed(tmp_path / "ckpt")))
+
+
+@pytest.mark.unit
+@pytest.mark.usefixtures("restore_environment")
+def test_skip_drops_a_nan_gradient_at_zero0(tmp_path):
+    """non_finite='skip' with a finite loss and a NaN gradient at ZeRO-0 (the torch optimizer stepped directly):
+    the step changes nothing. Before: applied, the weights became NaN."""
+    trainer, module, data = _fit_in_process(tmp_path, steps=5, keep=9, non_finite="skip")
+    module.gradient_nan_at = 3
+    trainer.fit(module, data)
+    assert _guard(trainer).skipped == [3]
+    states = {step: torch.load(next((tmp_path / "ckpt" / step_dir_name(step) / "state" / "checkpoint").glob("*model_states.pt")),
+                               weights_only=False)["module"] for step in (2, 3, 4)}
+    assert all(torch.equal(states[2][k], states[3][k]) and not torch.equal(states[3][k], states[4][k]) for k in states[2])
+    assert all(bool(torch.isfinite(p).all()) for p in module.parameters())
 
 
 @pytest.mark.unit

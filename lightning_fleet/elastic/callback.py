@@ -367,6 +367,14 @@ class NonFiniteGuard(Callback):
     Where the step runs inside the engine (a pipeline schedule) or the user steps (manual optimization), the loss is
     checked after the step: ``skip`` then holds only where DeepSpeed skipped it itself, else the job stops.
 
+    A finite loss whose gradient is NaN or infinite (a backward through ``sqrt(0)``, a custom autograd function) is
+    caught too: where the torch optimizer is stepped directly, the gradients (averaged alike on every rank) are checked
+    before the step; where DeepSpeed's wrapper checks them (ZeRO 1-3, bf16), a step it did not apply with a finite loss
+    and no fp16 loss scaler (whose skips on overflow are its normal work) is that case. ``stop`` stops the job there,
+    ``skip`` skips the step. A step that was not applied (skipped here, or by DeepSpeed's overflow check) does not
+    advance a per-step learning-rate schedule (Lightning steps it after every optimizer step; DeepSpeed's own engine
+    does not on a skipped step): a run with skipped steps follows the schedule of the steps it applied.
+
     Args:
         policy: one of :data:`NON_FINITE_POLICIES`.
     """
@@ -377,12 +385,32 @@ class NonFiniteGuard(Callback):
         self.policy = policy
         self.skipped: list[int] = []
         """The steps skipped in this fit (``skip``)."""
-        self._pending: str | None = None  # the step being skipped: its non-finite ranks, in words
+        self._pending: str | None = None  # the step being skipped: what was non-finite where, in words
         self._checked = False  # the step's loss was checked before its backward
+        self._held = False  # the step was not applied: its per-step LR schedule step is held back
+        self._loop: Any = None  # the epoch loop whose update_lr_schedulers is wrapped, while training
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        """Hold a per-step LR schedule back on a step that was not applied (:meth:`_update_lr_schedulers`)."""
+        loop = trainer.fit_loop.epoch_loop
+        original = loop.update_lr_schedulers
+
+        def update_lr_schedulers(interval: str, update_plateau_schedulers: bool) -> None:
+            if interval == "step" and self._not_applied(trainer):
+                return
+            original(interval, update_plateau_schedulers)
+
+        loop.update_lr_schedulers, self._loop = update_lr_schedulers, loop
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        """Give the epoch loop its own update_lr_schedulers back."""
+        if self._loop is not None:
+            vars(self._loop).pop("update_lr_schedulers", None)
+            self._loop = None
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         """A new step: nothing checked yet."""
-        self._pending, self._checked = None, False
+        self._pending, self._checked, self._held = None, False, False
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
         """The step's loss (its micro-batches' mean) before its last backward: agreed by every rank; stop or skip."""
@@ -394,14 +422,24 @@ class NonFiniteGuard(Callback):
             return
         step = trainer.global_step + 1
         if self.policy == "stop":
-            raise self._stop(trainer, step, bad, "it was not applied")
+            raise self._stop(trainer, step, f"the loss is {bad}", "it was not applied")
         loss.register_hook(_poisoned)
-        self._pending = bad
+        self._pending = f"the loss is {bad}"
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
-        """Skipping with the torch optimizer stepped directly (no overflow check of DeepSpeed's): drop the gradients."""
+        """Where the torch optimizer is stepped directly (no overflow check of DeepSpeed's): a finite loss's gradient is
+        checked (stop, or skip); skipping drops the gradients."""
         engine = _engine(trainer)
-        if self._pending is not None and not hasattr(getattr(engine, "optimizer", None), "overflow"):
+        if hasattr(getattr(engine, "optimizer", None), "overflow"):
+            return
+        if self._pending is None and self._checked:
+            bad = _non_finite_gradient(_module_of(engine))
+            if bad:
+                what = f"the gradient is {bad} (the loss is finite on every rank)"
+                if self.policy == "stop":
+                    raise self._stop(trainer, trainer.global_step + 1, what, "it was not applied")
+                self._pending = what
+        if self._pending is not None:
             for parameter in _module_of(engine).parameters():
                 parameter.grad = None
 
@@ -417,30 +455,46 @@ class NonFiniteGuard(Callback):
             bad = _non_finite_ranks(trainer, loss if isinstance(loss, torch.Tensor) else None)
             if bad and (self.policy == "stop" or _step_applied(engine)):
                 done = "applied" if _step_applied(engine) else "skipped"
-                raise self._stop(trainer, step, bad, f"it ran inside the engine, which {done} it")
+                raise self._stop(trainer, step, f"the loss is {bad}", f"it ran inside the engine, which {done} it")
             if bad:
-                self._skip(trainer, step, bad)
+                self._skip(trainer, step, f"the loss is {bad}")
+        elif getattr(pl_module, "automatic_optimization", True) and _gradient_overflowed(engine):
+            what = "the gradient is non-finite (the loss is finite on every rank; DeepSpeed's overflow check skipped it)"
+            if self.policy == "stop":
+                raise self._stop(trainer, step, what, "it was not applied")
+            self._skip(trainer, step, what)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         """The skipped steps, once, at the end of fit."""
         if self.skipped and trainer.is_global_zero:
             steps = ", ".join(map(str, self.skipped[:20])) + (", ..." if len(self.skipped) > 20 else "")
             count = len(self.skipped)
-            print(f"lightning_fleet: {count} step(s) skipped for a non-finite loss (non_finite='skip'): {steps}", flush=True)
+            print(f"lightning_fleet: {count} step(s) skipped for a non-finite loss or gradient (non_finite='skip'): "
+                  f"{steps}", flush=True)
 
-    def _skip(self, trainer: Any, step: int, bad: str) -> None:
+    def _not_applied(self, trainer: Any) -> bool:
+        """Whether this step's optimizer step was not applied: skipped here (``skip``), or by DeepSpeed's overflow check
+        (also an fp16 loss scaler's). Asked when Lightning steps the LR schedule, after the optimizer step."""
+        engine = _engine(trainer)
+        self._held = self._held or self._pending is not None or (
+            getattr(trainer.lightning_module, "automatic_optimization", True)
+            and hasattr(getattr(engine, "optimizer", None), "overflow") and not _step_applied(engine))
+        return self._held
+
+    def _skip(self, trainer: Any, step: int, what: str) -> None:
         self.skipped.append(step)
         self._pending = None
+        self._held = True
         if trainer.is_global_zero:
-            print(f"lightning_fleet: step {step}: the loss is {bad}; the step was skipped (weights and optimizer state "
-                  f"unchanged; {len(self.skipped)} skipped in this fit)", flush=True)
+            print(f"lightning_fleet: step {step}: {what}; the step was skipped (weights, optimizer state and learning-rate "
+                  f"schedule unchanged; {len(self.skipped)} skipped in this fit)", flush=True)
 
-    def _stop(self, trainer: Any, step: int, bad: str, applied: str) -> FleetError:
+    def _stop(self, trainer: Any, step: int, what: str, applied: str) -> FleetError:
         checkpoints = [c for c in trainer.callbacks if isinstance(c, FleetCheckpoint)]
         good = checkpoints[0]._last_good() if checkpoints else "no FleetCheckpoint saves this fit"
         skip = ", or pass FleetStrategy(non_finite='skip') to skip such steps" if self.policy == "stop" else ""
         return deterministic(FleetError(
-            f"the loss is {bad} at step {step} ({applied}); the job stops: {good}. Lower the learning rate, clip "
+            f"{what} at step {step} ({applied}); the job stops: {good}. Lower the learning rate, clip "
             f"gradients or check the data of that step{skip}"
         ))
 
@@ -462,6 +516,29 @@ def _step_applied(engine: Any) -> bool:
     """Whether the engine applied its last optimizer step (DeepSpeed skips one whose gradient overflowed)."""
     applied = getattr(engine, "was_step_applied", None)
     return bool(applied()) if callable(applied) else True
+
+
+def _non_finite_gradient(module: torch.nn.Module) -> str:
+    """'' when every gradient of ``module`` is finite, else ``NaN`` or ``infinite`` (one read per device)."""
+    checks: dict[torch.device, list[torch.Tensor]] = {}
+    with torch.no_grad():
+        for parameter in module.parameters():
+            grad = parameter.grad
+            if grad is not None and grad.is_floating_point() and grad.numel():
+                dense = grad.coalesce().values() if grad.is_sparse else grad
+                checks.setdefault(grad.device, []).append(torch.where(torch.isnan(dense).any(), 2.0, torch.where(
+                    torch.isfinite(dense).all(), 0.0, 1.0)))
+        worst = max((float(torch.stack(found).max()) for found in checks.values()), default=0.0)
+    return {0.0: "", 1.0: "infinite"}.get(worst, "NaN")
+
+
+def _gradient_overflowed(engine: Any) -> bool:
+    """Whether DeepSpeed's optimizer wrapper skipped the last step for a non-finite gradient where no fp16 loss scaler
+    runs (a loss scaler's skip on overflow lowers its scale: its normal work, not a failure)."""
+    if not hasattr(getattr(engine, "optimizer", None), "overflow") or _step_applied(engine):
+        return False
+    fp16 = getattr(engine, "fp16_enabled", None)
+    return not (callable(fp16) and fp16())
 
 
 def _poisoned(grad: torch.Tensor) -> torch.Tensor:
