@@ -53,6 +53,7 @@ from lightning_fleet.elastic.layout import MANIFEST, rank_file, rank_file_name  
 from lightning_fleet.elastic.sampler import MicroBatches, ShareSchedule  # noqa: E402
 from lightning_fleet.elastic.worker import (  # noqa: E402
     announce_launch_advice,
+    collectives,
     deterministic,
     deterministic_errors,
     destroy_groups_at_exit,
@@ -650,7 +651,14 @@ class FleetStrategy(DeepSpeedStrategy):
     # --- the step ------------------------------------------------------------------------------------
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the step's micro-batches: all but the last through the runtime here, the last through Lightning's loop."""
+        """Run the step's micro-batches: all but the last through the runtime here, the last through Lightning's loop.
+        A collective in it that a hung or lost peer fails (ZeRO-3's gathers, the accumulated backwards' reductions, a
+        pipeline's sends) ends this rank in one line (:func:`lightning_fleet.elastic.worker.collectives`), as in
+        :meth:`backward` and :meth:`optimizer_step`."""
+        with collectives("the training step (DeepSpeed's forward and accumulated backward passes)", self._timeout):
+            return self._training_step(*args, **kwargs)
+
+    def _training_step(self, *args: Any, **kwargs: Any) -> Any:
         batch, *rest = args
         if not isinstance(batch, MicroBatches):
             return super().training_step(*args, **kwargs)
@@ -686,7 +694,8 @@ class FleetStrategy(DeepSpeedStrategy):
         loss weighted by this replica's share (:meth:`_weighted`)."""
         if self._pipelined():
             return closure_loss
-        return super().backward(self._weighted(closure_loss), optimizer, *args, **kwargs)
+        with collectives("the backward pass (the loss check and DeepSpeed's gradient reduction)", self._timeout):
+            return super().backward(self._weighted(closure_loss), optimizer, *args, **kwargs)
 
     def _weighted(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` times this replica's share of the step being trained over an equal share, when the replicas' shares
@@ -742,10 +751,12 @@ class FleetStrategy(DeepSpeedStrategy):
                 and getattr(module, "automatic_optimization", True) and self._engine_in_use())
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        """Under a pipeline the closure runs the step's schedule, which also stepped the engine."""
-        if self._pipelined():
-            return closure()
-        return super().optimizer_step(optimizer, closure, model, **kwargs)
+        """Under a pipeline the closure runs the step's schedule, which also stepped the engine. A collective that a hung
+        or lost peer fails is one line (the closure's training step and backward name themselves)."""
+        with collectives("the optimizer step (DeepSpeed's gradient reduction and weight gather)", self._timeout):
+            if self._pipelined():
+                return closure()
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
 
     def on_validation_start(self) -> None:
         """Under a pipeline each rank's engine trains only its stage: bring every stage's current weights into the module

@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import psutil
@@ -33,7 +34,7 @@ from lightning_fleet.elastic.checkpoint import (
     set_aside_newer,
 )
 from lightning_fleet.elastic.layout import LATEST, LOCK, MANIFEST, SET_ASIDE, Manifest, step_dir_name
-from lightning_fleet.elastic.lock import DirLock, LockHolder, machine_id
+from lightning_fleet.elastic.lock import DirLock, LockHolder, job_rendezvous, machine_id
 from lightning_fleet.elastic.worker import is_deterministic
 from lightning_fleet.planning import FleetError
 from tests.multiprocess import ROOT, finish, free_port, kill_family, run, worker_env
@@ -185,7 +186,7 @@ sys.path.insert(0, {root!r})
 import lightning_fleet.elastic.lock as L
 if {elsewhere!r}:
     L.machine_id = lambda: "another-machine"
-lock = L.DirLock(__import__("pathlib").Path({path!r}), job={job!r}, heartbeat_s=0.2)
+lock = L.DirLock(__import__("pathlib").Path({path!r}), job={job!r}, rendezvous={rendezvous!r}, heartbeat_s=0.2)
 lock.acquire()
 print("held", flush=True)
 time.sleep(120)
@@ -193,9 +194,9 @@ time.sleep(120)
 
 
 @contextmanager
-def holder_process(path: Path, *, elsewhere: bool = False, job: str = ""):
+def holder_process(path: Path, *, elsewhere: bool = False, job: str = "", rendezvous: str = ""):
     """A process holding the lock of ``path`` (posing as another machine when ``elsewhere``), killed afterwards."""
-    code = HOLDER.format(root=str(ROOT), path=str(path), elsewhere=elsewhere, job=job)
+    code = HOLDER.format(root=str(ROOT), path=str(path), elsewhere=elsewhere, job=job, rendezvous=rendezvous)
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
         assert proc.stdout.readline().strip() == "held"
@@ -233,12 +234,100 @@ def test_a_holder_on_another_machine_is_refused_once_its_heartbeat_moves(tmp_pat
 
 @pytest.mark.unit
 def test_the_same_jobs_restart_takes_over_at_once(tmp_path):
-    with holder_process(tmp_path, elsewhere=True, job="run-7"):
+    with holder_process(tmp_path, elsewhere=True, job="run-7", rendezvous="node1:29400"):
         logged: list[str] = []
-        taker = DirLock(tmp_path, job="run-7", log=logged.append)
+        taker = DirLock(tmp_path, job="run-7", rendezvous="node1:29400", log=logged.append)
         taker.acquire()
         taker.release()
     assert "an earlier attempt of this job" in logged[0] and "run id run-7" in logged[0]
+
+
+class FakeTime:
+    """A monotonic clock that only a sleep advances; ``on_sleep`` runs at each sleep (a holder's heartbeat)."""
+
+    def __init__(self, on_sleep=None) -> None:
+        self.now, self.on_sleep = 1000.0, on_sleep
+
+    def clock(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+        if self.on_sleep is not None:
+            self.on_sleep()
+
+
+def remote_holder(path: Path, heartbeat: float, **fields) -> LockHolder:
+    """Write a lock naming a holder on another machine with this heartbeat time; return it."""
+    holder = LockHolder(**{"host": "far", "machine": "another-machine", "pid": 1, "job": "", "token": "t", **fields,
+                           "heartbeat": heartbeat})
+    (path / LOCK).write_bytes(holder.encode())
+    return holder
+
+
+def beating(path: Path, holder: LockHolder):
+    """A heartbeat of ``holder`` that keeps its (skewed, or not a time) heartbeat value and moves its counter."""
+    state = {"holder": holder}
+
+    def beat() -> None:
+        state["holder"] = replace(state["holder"], beat=state["holder"].beat + 1)
+        (path / LOCK).write_bytes(state["holder"].encode())
+
+    return beat
+
+
+@pytest.mark.pure
+@pytest.mark.parametrize("skew_s", [-60.0, -3600.0, 0.0])
+def test_a_live_holder_on_another_machine_is_refused_whatever_its_clock(tmp_path, skew_s):
+    """Before: a live holder whose clock was 60 s behind (its heartbeat looked 60 s old) was taken over at once."""
+    holder = remote_holder(tmp_path, time.time() + skew_s)
+    fake = FakeTime(on_sleep=beating(tmp_path, holder))
+    logged: list[str] = []
+    with pytest.raises(FleetError, match="in use by another job \\(host far, pid 1"):
+        DirLock(tmp_path, log=logged.append, clock=fake.clock, sleep=fake.sleep, heartbeat_s=5).acquire()
+    assert fake.now - 1000.0 <= 5 and "taking it over unless its heartbeat moves within 30 s" in logged[0]
+    assert LockHolder.decode((tmp_path / LOCK).read_bytes()).token == "t"  # not taken
+
+
+@pytest.mark.pure
+@pytest.mark.parametrize("heartbeat", [time.time() - 3600, time.time() + 3600, float("nan"), float("inf")],
+                         ids=["old", "ahead", "nan", "inf"])
+def test_a_dead_holder_on_another_machine_is_taken_over_once_its_heartbeat_did_not_move(tmp_path, heartbeat):
+    """Judged by whether the file changes over STALE_AFTER_S of this process's clock, never by the time it holds.
+    Before: a heartbeat in the future or NaN refused every launch (until the lock was deleted by hand)."""
+    remote_holder(tmp_path, heartbeat)
+    fake = FakeTime()
+    logged: list[str] = []
+    lock = DirLock(tmp_path, log=logged.append, clock=fake.clock, sleep=fake.sleep, heartbeat_s=5)
+    lock.acquire()
+    try:
+        assert 30 <= fake.now - 1000.0 <= 32
+        assert "its heartbeat did not move for 30 s" in logged[-1] and "host far, pid 1" in logged[-1]
+        assert LockHolder.decode((tmp_path / LOCK).read_bytes()).token == lock.token
+    finally:
+        lock.release()
+
+
+@pytest.mark.pure
+def test_two_jobs_with_one_run_id_on_two_hosts_do_not_take_each_others_lock(tmp_path, monkeypatch):
+    """The same --rdzv-id on two single-host jobs (both at 127.0.0.1:29400): not the same job, so the live one is
+    refused (before: taken over at once as "an earlier attempt of this job"); an earlier attempt of the same job (same
+    run id and rendezvous) is still taken over at once."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job1")
+    monkeypatch.setenv("PET_RDZV_ENDPOINT", "127.0.0.1:29400")
+    here = job_rendezvous()
+    assert here.startswith("127.0.0.1:29400@" + machine_id())
+    other = remote_holder(tmp_path, time.time(), job="job1", rendezvous="127.0.0.1:29400@another-machine/agent 7/1")
+    fake = FakeTime(on_sleep=beating(tmp_path, other))
+    with pytest.raises(FleetError, match="in use by another job .*run id job1"):
+        DirLock(tmp_path, log=lambda line: None, clock=fake.clock, sleep=fake.sleep).acquire()
+    monkeypatch.setenv("PET_RDZV_ENDPOINT", "node1:29400")  # a multi-host job: every agent names the same endpoint
+    remote_holder(tmp_path, time.time(), job="job1", rendezvous=job_rendezvous())
+    logged: list[str] = []
+    taker = DirLock(tmp_path, log=logged.append, clock=FakeTime().clock, sleep=pytest.fail)
+    taker.acquire()
+    taker.release()
+    assert "an earlier attempt of this job" in logged[-1]
 
 
 @pytest.mark.pure
@@ -246,9 +335,10 @@ def test_a_stale_or_unreadable_lock_is_taken_over_and_a_holder_that_lost_it_stop
     old = LockHolder(host="gone", machine="another-machine", pid=1, job="", token="t", heartbeat=time.time() - 3600)
     (tmp_path / LOCK).write_bytes(old.encode())
     logged: list[str] = []
-    first = DirLock(tmp_path, log=logged.append)
+    fake = FakeTime()
+    first = DirLock(tmp_path, log=logged.append, clock=fake.clock, sleep=fake.sleep)
     first.acquire()
-    assert "stale (no heartbeat for more than 30 s)" in logged[-1]
+    assert "its heartbeat did not move for 30 s" in logged[-1]
     fresh = LockHolder(host="h2", machine="another-machine", pid=2, job="", token="u", heartbeat=time.time())
     (tmp_path / LOCK).write_bytes(fresh.encode())  # another job took it while this one was stopped
     with pytest.raises(FleetError, match="lost checkpoint directory .* to another job \\(host h2, pid 2"):

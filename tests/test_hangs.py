@@ -140,11 +140,49 @@ def test_hung_peer_fails_within_the_timeout_and_the_restart_resumes(tmp_path):
         kill_all(started)
         kill_family(proc)
     log = log_of(tmp_path)
-    said = f"rank 0: a collective did not complete within FleetStrategy(timeout={TIMEOUT_S} s): a peer process is hung ("
+    said = (f"rank 0: a collective in the per-step SIGTERM broadcast did not complete within FleetStrategy(timeout={TIMEOUT_S} "
+            "s): a peer process is hung (")
     assert f"lightning_fleet: error: {said}" in log
     result = final(tmp_path)
     assert result["global_step"] == 10 and result["resumed_from"].endswith(newest), (result, newest)
     assert TIMEOUT_S <= failed_after <= TIMEOUT_S + REPORT_SLACK_S
+
+
+def sleeps_started(tmp: Path, rank: int) -> int:
+    path = tmp / f"sleeping-rank{rank}.txt"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+@pytest.mark.elastic
+@pytest.mark.parametrize("where, during", [
+    ("checkpoint", "FleetCheckpoint's per-step agreement on saving"),
+    ("backward", "the backward pass (the loss check and DeepSpeed's gradient reduction)"),
+])
+def test_a_peer_hung_at_the_save_agreement_or_the_gradient_reduction_is_one_line(tmp_path, where, during):
+    """Rank 1 SIGSTOPped right before FleetCheckpoint's per-step all-reduce, or before its backward (rank 0 then waits in
+    DeepSpeed's gradient reduction of ZeRO-2): rank 0 ends in peer_lost's one line naming that collective, within the
+    timeout + REPORT_SLACK_S (before: a 41-118-line traceback of gloo's RuntimeError "Timed out waiting 8000ms")."""
+    proc = train(tmp_path, "--steps", "40", "--every", "100", "--sleep", "0.4", "--sleep-at", where, "--timeout", str(TIMEOUT_S))
+    started = []
+    try:
+        wait_for_steps(tmp_path, 2)
+        started = list(workers(proc).values())
+        hung, survivor = workers(proc)[1], workers(proc)[0]
+        done = sleeps_started(tmp_path, 1)
+        while sleeps_started(tmp_path, 1) == done:  # stop it in its sleep: rank 0 goes on into the collective
+            time.sleep(0.01)
+        hung.suspend()
+        bound = TIMEOUT_S + REPORT_SLACK_S
+        assert not wait_gone([survivor], bound), f"rank 0 still waits {bound} s after its peer hung"
+        hung.resume()
+        assert finish(proc, timeout=120) != 0
+    finally:
+        kill_all(started)
+        kill_family(proc)
+    log = log_of(tmp_path)
+    said = (f"lightning_fleet: error: rank 0: a collective in {during} did not complete within FleetStrategy(timeout="
+            f"{TIMEOUT_S} s): a peer process is hung (RuntimeError: ")
+    assert said in log and "Traceback" not in log, log[-4000:]
 
 
 @pytest.mark.elastic
@@ -260,13 +298,15 @@ def test_root_cause_of_a_signal_without_error_file_is_named():
 
 
 @pytest.mark.elastic
-def test_sigterm_to_the_launcher_saves_exits_0_and_the_relaunch_resumes(tmp_path):
-    """SIGTERM to fleet launch (a scheduler's preemption): torchrun forwards it, FleetCheckpoint commits the step the
-    workers stop at, every worker exits 0 and so does the launcher (before: 1, "SignalException"); a relaunch resumes."""
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_sigterm_to_the_launcher_saves_exits_0_and_the_relaunch_resumes(tmp_path, sig):
+    """SIGTERM to fleet launch (a scheduler's preemption), or SIGHUP (a closed terminal or session): torchrun forwards
+    it, FleetCheckpoint commits the step the workers stop at, every worker exits 0 and so does the launcher (before: 1,
+    "SignalException"; with SIGHUP the workers died without saving); a relaunch resumes (checked once, after SIGTERM)."""
     proc = train(tmp_path, "--steps", "40", "--every", "100", "--sleep", "0.4", "--timeout", "60", restarts=1)
     try:
         wait_for_steps(tmp_path, 3)
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sig)
         assert finish(proc, timeout=120) == 0, log_of(tmp_path)[-3000:]
     finally:
         kill_family(proc)
@@ -274,8 +314,10 @@ def test_sigterm_to_the_launcher_saves_exits_0_and_the_relaunch_resumes(tmp_path
     assert stopped["preempted"] and 3 <= stopped["global_step"] < 40
     name, step = committed_step(tmp_path / "ckpt")
     assert step == stopped["global_step"]
-    after = log_of(tmp_path).split("fleet launch: stopped by SIGTERM; all 2 local workers exited 0")
+    after = log_of(tmp_path).split(f"fleet launch: stopped by {sig.name}; all 2 local workers exited 0")
     assert len(after) == 2 and "Traceback" not in after[1], after[-1][-3000:]  # the line is the launcher's last word
+    if sig != signal.SIGTERM:
+        return
     again = train(tmp_path, "--steps", str(step + 2), "--every", "100", "--timeout", "60")
     assert finish(again, timeout=120) == 0, log_of(tmp_path)[-3000:]
     resumed = final(tmp_path)
@@ -291,4 +333,6 @@ def test_sigterm_with_a_failed_worker_is_not_success(capsys):
     assert _stopped_by_signal(signal.SIGTERM, {0: 0, 1: -signal.SIGKILL}) == 1
     assert capsys.readouterr().out == "fleet launch: stopped by SIGTERM; local rank 1: killed by SIGKILL\n"
     assert _stopped_by_signal(signal.SIGINT, {0: 0, 1: 0}) == 1
+    assert _stopped_by_signal(signal.SIGHUP, {0: 0, 1: 0}) == 0  # a closed session: the workers saved, as for SIGTERM
+    assert capsys.readouterr().out.splitlines()[-1].startswith("fleet launch: stopped by SIGHUP; all 2 local workers exited 0")
     assert _stopped_by_signal(signal.SIGTERM, {}) == 1

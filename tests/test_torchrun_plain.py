@@ -53,9 +53,11 @@ def reap_launches():
         kill_family(_launched.pop())
 
 
-def start(cmd: list[str], tmp: Path, env: dict[str, str] | None = None) -> psutil.Popen:
-    """Launch in a session of our own; stdout to tmp/out.log, stderr to tmp/err.log."""
-    out, err = open(tmp / "out.log", "a"), open(tmp / "err.log", "a")
+def start(cmd: list[str], tmp: Path, env: dict[str, str] | None = None, merged: bool = False) -> psutil.Popen:
+    """Launch in a session of our own; stdout to tmp/out.log, stderr to tmp/err.log (``merged``: both to out.log, in the
+    order a terminal shows them)."""
+    out = open(tmp / "out.log", "a")
+    err = out if merged else open(tmp / "err.log", "a")
     _launched.append(psutil.Popen(cmd, env=env or plain_env(tmp), cwd=ROOT, stdout=out, stderr=err, start_new_session=True))
     return _launched[-1]
 
@@ -196,6 +198,19 @@ def test_other_rank_is_quiet_while_rank_zero_ends_the_job_and_speaks_up_when_it_
 
 
 @pytest.mark.unit
+def test_torchruns_error_file_holds_the_line_of_a_fleet_error_and_the_traceback_of_anything_else(tmp_path):
+    """torchrun's summary shows an error file's call stack where it has one: a FleetError's file holds its one line and
+    none (before: its type and the worker's whole traceback, 36 lines of each rank in torchrun's table)."""
+    errors = {"fleet": tmp_path / "fleet.json", "value": tmp_path / "value.json"}
+    run_script(HOOKED + "raise FleetError('bad plan')", {"RANK": "0", "TORCHELASTIC_ERROR_FILE": str(errors["fleet"])})
+    run_script(HOOKED + "raise ValueError('boom')", {"RANK": "0", "TORCHELASTIC_ERROR_FILE": str(errors["value"])})
+    fleet, value = (json.loads(errors[k].read_text())["message"] for k in ("fleet", "value"))
+    assert fleet["message"] == "lightning_fleet: error: bad plan" and "py_callstack" not in fleet["extraInfo"]
+    assert value["message"] == "ValueError: boom" and value["extraInfo"]["py_callstack"].startswith("Traceback")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fleet.json", "value.json"]  # written whole, no temporary left
+
+
+@pytest.mark.unit
 def test_other_exceptions_keep_their_traceback_and_hooks_chain():
     """Non-FleetErrors reach the hook installed before ours; installing twice changes nothing; a hook installed after
     ours (like init_process_group's stderr-buffering one) is wrapped again so that the line is not swallowed."""
@@ -321,15 +336,38 @@ def test_a_checkpoint_of_another_job_ends_the_job_at_once(tmp_path):
 
 
 @pytest.mark.elastic
-def test_deterministic_error_under_fleet_launch_exits_2(tmp_path):
-    """The same through fleet launch: exit code 2 and no line of the launcher's own."""
-    cmd = [sys.executable, "-m", "lightning_fleet", "launch", "--nproc-per-node=2", "--max-restarts=3", str(FAILING),
+@pytest.mark.parametrize("restarts", [3, 0])
+def test_deterministic_error_under_fleet_launch_exits_2(tmp_path, restarts):
+    """The same through fleet launch, with restarts left or none: exit code 2, the line once and last on screen, no
+    line of the launcher's own (before: with restarts, torchrun's 3 lines about stopping the workers after it; with
+    --max-restarts=0 the line twice, the launcher's copy last, exit 1)."""
+    cmd = [sys.executable, "-m", "lightning_fleet", "launch", "--nproc-per-node=2", f"--max-restarts={restarts}", str(FAILING),
            "--plan", BAD_PLAN, "--dir", str(tmp_path)]
-    proc = start(cmd, tmp_path)
+    proc = start(cmd, tmp_path, merged=True)
     code = finish(proc, timeout=180)
     log = output(tmp_path)
     assert code == 2 and len(error_lines(log)) == 1 and "fleet launch:" not in log, log[-3000:]
+    assert log.strip().splitlines()[-1] == error_lines(log)[0], log[-3000:]
     assert sorted((tmp_path / "starts.txt").read_text().split("\n")[:-1]) == ["0 0", "1 0"]
+
+
+@pytest.mark.elastic
+def test_deterministic_error_under_plain_torchrun_without_restarts_ends_in_its_line(tmp_path):
+    """The README's main job form (plain torchrun, static rendezvous, no --max-restarts): after the line, only torchrun's
+    own short summary, whose root cause is that line (before: 106 lines after it, torchrun's table holding both workers'
+    36-line tracebacks). torchrun's own lines (its traceback of ChildFailedError, the table) stay: they are the agent's."""
+    cmd = [*TORCHRUN, "--nproc-per-node=2", "--master-addr=127.0.0.1", f"--master-port={free_port()}", str(FAILING),
+           "--plan", BAD_PLAN]
+    code = finish(start(cmd, tmp_path, merged=True), timeout=180)
+    lines = output(tmp_path).strip().splitlines()
+    ours = [i for i, line in enumerate(lines) if line.startswith("lightning_fleet: error: ")]
+    assert code == 1 and len(ours) == 1, "\n".join(lines[-60:])
+    after = lines[ours[0] + 1 :]
+    assert len(after) <= 45, "\n".join(after)
+    root = after[after.index("Root Cause (first observed failure):") :]
+    assert f"  traceback : {lines[ours[0]]}" in root and "  exitcode  : 2 " in "\n".join(root), "\n".join(after)
+    ours_code = [line for line in after if "error_file" not in line and not line.endswith(f"{FAILING} FAILED")]  # torchrun's title
+    assert not any("lightning_fleet/" in line or "fleet_error.py" in line for line in ours_code), "\n".join(after)
 
 
 # --- fleet launch --help and bad values -------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """FleetCheckpoint: periodic, preemption-safe, atomic checkpoints of a FleetStrategy job.
 
 Saves every ``every_n_steps`` optimizer steps and/or every ``every_n_seconds`` (rank 0's clock),
-on SIGTERM, and at the end of training. One small all-reduce per step makes every rank agree on
+on SIGTERM or SIGHUP, and at the end of training. One small all-reduce per step makes every rank agree on
 whether to save or stop at this step, so a SIGTERM delivered to a single rank (a preempted node)
 stops all ranks at the same step with one consistent checkpoint, and the job exits cleanly.
 
@@ -48,7 +48,7 @@ from lightning_fleet.elastic.checkpoint import (
 )
 from lightning_fleet.elastic.layout import LATEST, MANIFEST, Manifest, rank_file, state_dir, step_dir_name, step_of, tmp_name
 from lightning_fleet.elastic.lock import DirLock
-from lightning_fleet.elastic.worker import deterministic
+from lightning_fleet.elastic.worker import collectives, deterministic
 from lightning_fleet.planning import FleetError
 from lightning_fleet.rng import RngState
 
@@ -85,7 +85,7 @@ class FleetCheckpoint(Callback):
         self.save_seconds: list[float] = []
         """Wall time of each of those saves (from the first barrier to the commit)."""
         self._sigterm = False
-        self._previous_handler: Any = None
+        self._previous_handlers: dict[int, Any] = {}  # per signal of STOP_SIGNALS, while training
         self._last_save_time = time.monotonic()
         self._last_saved_step = -1
         self._lock: DirLock | None = None  # rank 0's hold on dirpath, from claim() to the end of fit
@@ -104,7 +104,8 @@ class FleetCheckpoint(Callback):
         if self._claimed:
             return
         verdict = self._claim_here(trainer) if trainer.is_global_zero else None
-        problem, needed = trainer.strategy.broadcast(verdict) if trainer.world_size > 1 else (verdict or (None, 0))
+        with _collectives(trainer, "FleetCheckpoint's claim of its directory"):
+            problem, needed = trainer.strategy.broadcast(verdict) if trainer.world_size > 1 else (verdict or (None, 0))
         if problem is not None:
             raise deterministic(FleetError(problem))
         self._claimed, self._needed_bytes = True, needed
@@ -150,10 +151,11 @@ class FleetCheckpoint(Callback):
     # --- signals ----------------------------------------------------------------------------
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-        """Take over SIGTERM (after Lightning registered its own handler, which would abort the step); claim the
-        directory if the strategy did not."""
+        """Take over SIGTERM and SIGHUP (:data:`STOP_SIGNALS`; after Lightning registered its own SIGTERM handler, which
+        would abort the step); claim the directory if the strategy did not."""
         self.claim(trainer)
-        self._previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+        for sig in STOP_SIGNALS:
+            self._previous_handlers[sig] = signal.signal(sig, self._on_sigterm)
         self._last_save_time = time.monotonic()
         self._last_saved_step = trainer.global_step
         resumed = getattr(trainer.strategy, "resumed_from", None)
@@ -163,10 +165,10 @@ class FleetCheckpoint(Callback):
         self._sigterm = True
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        """Give SIGTERM back to the handler it had before training; release the directory."""
-        if self._previous_handler is not None:
-            signal.signal(signal.SIGTERM, self._previous_handler)
-            self._previous_handler = None
+        """Give SIGTERM and SIGHUP back to the handlers they had before training; release the directory."""
+        while self._previous_handlers:
+            sig, handler = self._previous_handlers.popitem()
+            signal.signal(sig, handler)
         self._release()
 
     def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
@@ -180,7 +182,8 @@ class FleetCheckpoint(Callback):
         due = self.every_n_seconds is not None and trainer.is_global_zero and time.monotonic() - self._last_save_time >= self.every_n_seconds
         flags = torch.tensor([float(self._sigterm), float(due)], device=trainer.strategy.root_device)
         if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            with _collectives(trainer, "FleetCheckpoint's per-step agreement on saving"):
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         return bool(flags[0]), bool(flags[1])
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -213,7 +216,8 @@ class FleetCheckpoint(Callback):
         self._agree_to_save(trainer, tmp, final)
         self._write(trainer, tmp, final)
         outcome = self._try_commit(trainer, tmp, final) if trainer.is_global_zero else None
-        problem, size = trainer.strategy.broadcast(outcome) if trainer.world_size > 1 else outcome
+        with _collectives(trainer, f"FleetCheckpoint's commit of step {step}"):
+            problem, size = trainer.strategy.broadcast(outcome) if trainer.world_size > 1 else outcome
         if problem is not None:
             raise self._failed(final, problem)
         self._needed_bytes = max(self._needed_bytes, size)
@@ -232,7 +236,8 @@ class FleetCheckpoint(Callback):
         flags[0] = float(bool(refusal))
         flags[1 + trainer.global_rank] = float(not _weights_finite(trainer))
         if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            with _collectives(trainer, f"FleetCheckpoint's agreement to save step {trainer.global_step}"):
+                dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         found = flags.tolist()
         ranks = [rank for rank, flag in enumerate(found[1:]) if flag > 0]
         if not ranks and not found[0]:
@@ -279,7 +284,8 @@ class FleetCheckpoint(Callback):
             failure = err
         flag = torch.tensor([float(failure is not None)], device=trainer.strategy.root_device)
         if dist.is_available() and dist.is_initialized() and trainer.world_size > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # also the barrier before rank 0 commits
+            with _collectives(trainer, f"FleetCheckpoint's agreement that step {trainer.global_step} was written"):
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # also the barrier before rank 0 commits
         if flag.item():
             if trainer.is_global_zero:
                 shutil.rmtree(tmp, ignore_errors=True)
@@ -500,6 +506,18 @@ class NonFiniteGuard(Callback):
 
 
 # --- small helpers --------------------------------------------------------------------------------------------
+
+
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
+"""The signals FleetCheckpoint answers by saving the step every rank agrees on and stopping: a scheduler's SIGTERM, and
+the SIGHUP of a closed terminal or session (torchrun's agent forwards to its workers the signal it got)."""
+
+
+def _collectives(trainer: Any, during: str) -> Any:
+    """The block of a collective of FleetCheckpoint's: a peer hung past the strategy's timeout, or gone, is one line
+    naming ``during`` (:func:`lightning_fleet.elastic.worker.collectives`)."""
+    return collectives(during, getattr(trainer.strategy, "_timeout", None))
+
 
 
 def _engine(trainer: Any) -> Any:

@@ -17,10 +17,12 @@ integers in ASCII digits only), and what it would refuse only after starting is 
 counts, --rdzv-conf and --rdzv-endpoint values, ports, timeouts, output filters, a training script that does not
 exist; :func:`check_arguments`, :func:`check_script`); ``fleet launch --help``
 prints these defaults and torchrun's help. A worker that ends the job for a deterministic FleetError (its line
-printed by rank 0) stops the agent; ``fleet launch`` then exits 2 without a line of its own. When restarts are used up,
+printed by rank 0) stops the agent (or, without restarts left, just exits); ``fleet launch`` then exits 2 and its
+line is the last on screen (torchrun's own lines about stopping the workers are dropped). When restarts are used up,
 one line names the first failed rank, its exit code or signal and its root-cause message (torchrun's own last line is
-a separator). SIGTERM to the launcher (a scheduler's preemption) is forwarded to the workers by torchrun; when every
-worker then exits 0 (FleetCheckpoint saved and stopped them), ``fleet launch`` exits 0, not torchrun's 1.
+a separator). SIGTERM or SIGHUP to the launcher (a scheduler's preemption, a closed session) is forwarded to the
+workers by torchrun; when every worker then exits 0 (FleetCheckpoint saved and stopped them), ``fleet launch`` exits
+0, not torchrun's 1.
 
 A wrong endpoint is one line and a bounded wait, never a hang (measured with torchrun alone: an
 unroutable host took 158 s and printed C++ stack traces; a port that accepts connections but is
@@ -58,6 +60,9 @@ TORCHRUN_READ_TIMEOUT_S = 60
 """torchrun's c10d store timeout when ``--rdzv-conf read_timeout`` is not given."""
 MIN_KEEP_ALIVE_ATTEMPTS = 3
 _CAUSE_CHARS = 500  # the most of a worker's root-cause message in fleet launch's line
+SAVING_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
+"""The signals torchrun's agent forwards to its workers and FleetCheckpoint answers by saving and stopping (the agent
+forwards the signal it got: torch/distributed/elastic/agent/server/api.py ``_shutdown(e.sigval)``)."""
 
 
 _FLAGS = {"--standalone", "--no-python", "--no_python", "--run-path", "--run_path", "-m", "--module", "-h", "--help"}
@@ -421,7 +426,7 @@ def _run_torchrun(args: list[str], stop_file: Path) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
-    with _worker_exits() as exits:
+    with _worker_exits() as exits, _quiet_once_stopped(stop_file):
         try:
             torchrun_main(args)
         except SystemExit as stop:
@@ -438,6 +443,40 @@ def _run_torchrun(args: list[str], stop_file: Path) -> int:
             print(f"fleet launch: {type(err).__name__}: {first[0] if first else ''}", flush=True)
             return 1
     return 0
+
+
+class _AfterStop:
+    """A logging filter that drops every record once ``stop_file`` exists: a worker has printed the job's one error
+    line and stopped it, and torchrun's own lines about stopping the other workers would bury it."""
+
+    def __init__(self, stop_file: Path) -> None:
+        self.stop_file = stop_file
+
+    def filter(self, record: Any) -> bool:
+        """Keep ``record`` while no worker has stopped the job."""
+        return not self.stop_file.exists()
+
+
+@contextmanager
+def _quiet_once_stopped(stop_file: Path) -> Iterator[None]:
+    """While torchrun runs here, its elastic loggers (the agent's, its process context's, its error handler's) go quiet
+    once a worker stopped the job for a deterministic FleetError (measured before: "Received 15 death signal", two
+    "Sending process ... closing signal SIGTERM" lines after the error line; with --max-restarts=0 the agent's
+    "failed (exitcode: 2)" and "no error file defined for parent" lines and the error repeated in the launcher's)."""
+    import logging
+
+    import torch.distributed.run  # noqa: F401  (imports the agent's modules, which create their loggers)
+
+    quiet = _AfterStop(stop_file)
+    loggers = [logging.getLogger(name) for name in list(logging.Logger.manager.loggerDict)
+               if name.startswith("torch.distributed.elastic")]
+    for logger in loggers:
+        logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        for logger in loggers:
+            logger.removeFilter(quiet)
 
 
 def _exit_at_once(code: int, tmp: Path) -> None:
@@ -468,12 +507,12 @@ def root_cause_line(error: Any) -> str:
 
 
 def _stopped_by_signal(sigval: Any, exits: dict[int, int | None]) -> int:
-    """The exit code after torchrun's agent got ``sigval`` and stopped its workers (their exit codes by local rank): 0
-    for a SIGTERM (a scheduler's preemption) after which every worker exited 0 (FleetCheckpoint saved and stopped them),
-    else 1, with one line either way."""
+    """The exit code after torchrun's agent got ``sigval`` and stopped its workers with it (their exit codes by local
+    rank): 0 for a SIGTERM (a scheduler's preemption) or SIGHUP (a closed terminal or session) after which every worker
+    exited 0 (FleetCheckpoint saved and stopped them), else 1, with one line either way."""
     name = getattr(sigval, "name", str(sigval))
-    if sigval == signal.SIGTERM and exits and all(code == 0 for code in exits.values()):
-        print(f"fleet launch: stopped by SIGTERM; all {len(exits)} local workers exited 0 (a FleetCheckpoint saves the step they "
+    if sigval in SAVING_SIGNALS and exits and all(code == 0 for code in exits.values()):
+        print(f"fleet launch: stopped by {name}; all {len(exits)} local workers exited 0 (a FleetCheckpoint saves the step they "
               "stopped at: relaunch to resume from it)", flush=True)
         return 0
     failed = {rank: code for rank, code in exits.items() if code != 0}

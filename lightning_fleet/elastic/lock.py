@@ -2,17 +2,21 @@
 
 Two jobs pointed at one directory would overwrite each other's checkpoints, resume each other's live saves and delete
 each other's saves in progress. A job's rank 0 therefore holds a lock file in the directory (:data:`LOCK`) naming its
-host, process, job (torchrun's run id) and a heartbeat time that a thread of that process refreshes every
-:data:`HEARTBEAT_S`. The file is created with ``O_CREAT | O_EXCL`` (atomic: of two jobs starting at once one wins);
-every decision about it (take, refresh, take over, release) is made under a record lock of a guard file
-(:data:`GUARD`, never deleted) and written in place at a fixed size (:data:`LOCK_BYTES`), so a full disk cannot stop a
-heartbeat. A second job gets one line naming the holder and what to do. A lock is taken over, with a line saying so,
-when its holder is gone: the same job restarted (same run id), its process dead on this machine, or no heartbeat for
-:data:`STALE_AFTER_S`. A holder that finds its lock taken over (it was stopped longer than that) stops before it writes
+host, process, job (torchrun's run id and its rendezvous, :func:`job_rendezvous`) and a heartbeat (a counter and a
+time) that a thread of that process refreshes every :data:`HEARTBEAT_S`. The file is created with ``O_CREAT | O_EXCL``
+(atomic: of two jobs starting at once one wins); every decision about it (take, refresh, take over, release) is made
+under a record lock of a guard file (:data:`GUARD`, never deleted) and written in place at a fixed size
+(:data:`LOCK_BYTES`), so a full disk cannot stop a heartbeat. A second job gets one line naming the holder and what to
+do. A lock is taken over, with a line saying so, when its holder is gone: the same job restarted (same run id and
+rendezvous), its process dead on this machine, or, on another machine, its heartbeat not moving while this process
+watches it for :data:`STALE_AFTER_S` by its own clock. The holder's heartbeat time is never compared with this
+machine's clock (another machine's clock may be behind, ahead, or the file may hold garbage or NaN there): only whether
+the file changes. A holder that finds its lock taken over (it was stopped longer than that) stops before it writes
 again (:meth:`DirLock.verify`).
 
-Pure (standard library and the planning core's FleetError); imported by elastic/callback.py (FleetCheckpoint takes the
-lock at setup and releases it at the end of fit) and elastic/checkpoint.py (removing abandoned saves needs the lock).
+Pure (standard library, the planning core's FleetError and the worker's reading of its agent's rendezvous endpoint);
+imported by elastic/callback.py (FleetCheckpoint takes the lock at setup and releases it at the end of fit) and
+elastic/checkpoint.py (removing abandoned saves needs the lock).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
+import math
 import os
 import socket
 import stat
@@ -32,6 +37,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from lightning_fleet.elastic.layout import GUARD, LOCK
+from lightning_fleet.elastic.worker import rendezvous_endpoint
 from lightning_fleet.planning import FleetError
 
 LOCK_BYTES = 1024
@@ -39,7 +45,8 @@ LOCK_BYTES = 1024
 HEARTBEAT_S = 5.0
 """How often the holder refreshes its heartbeat."""
 STALE_AFTER_S = 6 * HEARTBEAT_S
-"""A lock whose heartbeat is older than this is taken over: six missed heartbeats (a holder stopped or gone)."""
+"""A lock on another machine whose heartbeat does not move while it is watched this long (by the watcher's own clock)
+is taken over: six missed heartbeats (a holder stopped or gone)."""
 GUARD_TIMEOUT_S = 30.0
 """Longest wait for the guard (held only for a read and a write of LOCK_BYTES)."""
 _THREADS = threading.Lock()  # POSIX record locks do not exclude the threads of one process: this does
@@ -60,12 +67,17 @@ class LockHolder:
     token: str
     """Unique to one holding: a lock is ours exactly when its token is."""
     heartbeat: float
-    """Unix time of the holder's last heartbeat."""
+    """Unix time of the holder's last heartbeat, by the holder's clock (for people: never compared with another clock)."""
+    rendezvous: str = ""
+    """What tells the holder's job from another with the same run id (:func:`job_rendezvous`); '' in a lock written by
+    an older version or outside torchrun: that holder is then never taken for an earlier attempt of this job."""
+    beat: int = 0
+    """How many heartbeats the holder wrote: the file changes at every one even when the holder's clock does not."""
 
     def describe(self, now: float) -> str:
-        """E.g. ``host node3, pid 4242, run id job7, last heartbeat 2 s ago``."""
+        """E.g. ``host node3, pid 4242, run id job7, last heartbeat 2 s ago`` (``now``: this machine's time)."""
         job = f", run id {self.job}" if self.job else ""
-        return f"host {self.host}, pid {self.pid}{job}, last heartbeat {max(0.0, now - self.heartbeat):.0f} s ago"
+        return f"host {self.host}, pid {self.pid}{job}, {_heartbeat_age(self.heartbeat, now)}"
 
     def encode(self) -> bytes:
         """The lock file's bytes: JSON padded with spaces to :data:`LOCK_BYTES`."""
@@ -82,9 +94,19 @@ class LockHolder:
             holder = cls(**table)
         except (ValueError, TypeError):
             return None
-        ok = isinstance(holder.pid, int) and isinstance(holder.heartbeat, (int, float)) and all(
-            isinstance(v, str) for v in (holder.host, holder.machine, holder.job, holder.token))
+        ok = isinstance(holder.pid, int) and isinstance(holder.beat, int) and isinstance(holder.heartbeat, (int, float)) and all(
+            isinstance(v, str) for v in (holder.host, holder.machine, holder.job, holder.token, holder.rendezvous))
         return holder if ok else None
+
+
+def _heartbeat_age(heartbeat: float, now: float) -> str:
+    """The holder's last heartbeat in words, by this machine's clock where the two clocks allow it."""
+    age = now - heartbeat
+    if not math.isfinite(age):
+        return f"heartbeat time {heartbeat!r} (not a time)"
+    if age < 0:
+        return f"last heartbeat stamped {-age:.0f} s ahead of this machine's clock"
+    return f"last heartbeat {age:.0f} s ago"
 
 
 def job_id() -> str:
@@ -101,6 +123,31 @@ def machine_id() -> str:
     except OSError:
         return f"host:{socket.gethostname()}"
     return f"{boot}/{namespace}"
+
+
+def job_rendezvous() -> str:
+    """What tells this torchrun job from another with the same run id (``--rdzv-id``): the rendezvous endpoint its agents
+    were given, the same string on every node of one job. A loopback or unspecified host (``127.0.0.1``, ``localhost``,
+    ``0.0.0.0``), a port 0 or no endpoint at all names no place beyond this machine (two single-host jobs on two hosts
+    may both use ``127.0.0.1:29400`` and one run id): it is qualified by this machine and the launching agent (its pid
+    and start time), which every restart of the job on this machine shares. '' outside torchrun."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return ""
+    endpoint = rendezvous_endpoint()
+    host, _, port = endpoint.rpartition(":") if endpoint.count(":") == 1 or endpoint.startswith("[") else (endpoint, "", "")
+    host = host.strip("[]").lower()
+    local = host in ("", "localhost", "0.0.0.0", "::", "::1") or host.startswith("127.") or port == "0"
+    return f"{endpoint}@{machine_id()}/agent {_agent()}" if local else endpoint
+
+
+def _agent() -> str:
+    """This process's parent (a torchrun worker's agent): its pid and start time (a pid alone may be reused)."""
+    parent = os.getppid()
+    try:
+        started = Path(f"/proc/{parent}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        started = "?"
+    return f"{parent}/{started}"
 
 
 def process_alive(pid: int) -> bool:
@@ -124,21 +171,30 @@ class DirLock:
     Args:
         directory: the checkpoint directory (created if missing).
         job: this job's id (default :func:`job_id`).
+        rendezvous: what tells this job from another with the same id (default :func:`job_rendezvous`).
         heartbeat_s: how often a thread refreshes the heartbeat.
-        stale_after_s: a heartbeat older than this makes another holder's lock stale.
-        log: where the take-over lines go.
+        stale_after_s: how long a holder on another machine is watched, by ``clock``, before a heartbeat that did not
+            move in that time makes its lock stale.
+        log: where the waiting and take-over lines go.
+        clock: seconds of this process's monotonic clock (the watch's clock).
+        sleep: how this process waits between two reads of a watched lock.
     """
 
-    def __init__(self, directory: Path, *, job: str | None = None, heartbeat_s: float = HEARTBEAT_S,
-                 stale_after_s: float = STALE_AFTER_S, log: Callable[[str], None] = print) -> None:
+    def __init__(self, directory: Path, *, job: str | None = None, rendezvous: str | None = None,
+                 heartbeat_s: float = HEARTBEAT_S, stale_after_s: float = STALE_AFTER_S,
+                 log: Callable[[str], None] = print, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
         self.directory = Path(directory)
         self.job = job_id() if job is None else job
+        self.rendezvous = job_rendezvous() if rendezvous is None else rendezvous
         self.heartbeat_s, self.stale_after_s, self.log = heartbeat_s, stale_after_s, log
+        self.clock, self.sleep = clock, sleep
         self.token = uuid.uuid4().hex
         self.held = False
         """True from acquire to release."""
         self.lost: str | None = None
         """Set when the heartbeat found the lock taken over: who holds it now."""
+        self._beats = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -151,59 +207,68 @@ class DirLock:
 
     def acquire(self) -> None:
         """Hold the directory, taking over a stale lock (with a line); FleetError naming the holder when another live
-        job holds it. A holder on another machine is taken to be alive once its heartbeat moves, and stale once it has
-        not for ``stale_after_s``: the wait is at most that long."""
+        job holds it. A holder on another machine is watched (a line says so): it is alive once its lock file changes
+        (a heartbeat), and stale when it has not changed for ``stale_after_s`` of this process's clock: the wait is
+        at most that long, whatever times the file holds."""
         if self.held:
             return
         self.directory.mkdir(parents=True, exist_ok=True, mode=0o755)
-        watched: tuple[str, float] | None = None
-        deadline = time.monotonic() + self.stale_after_s + 2 * self.heartbeat_s
-        while (holder := self._try_take(watched)) is not None:
-            if time.monotonic() > deadline:
-                raise self._refusal(holder)
-            watched = (holder.token, holder.heartbeat)
-            time.sleep(min(1.0, self.heartbeat_s / 2))
+        watched: tuple[bytes, float] | None = None
+        while (found := self._try_take(watched)) is not None:
+            holder, raw = found
+            if watched is None:
+                self.log(f"lightning_fleet: checkpoint directory {self.directory} is locked by a job on another machine "
+                         f"({holder.describe(time.time())}); taking it over unless its heartbeat moves within "
+                         f"{self.stale_after_s:.0f} s")
+                watched = (raw, self.clock())
+            self.sleep(min(1.0, self.heartbeat_s / 2))
         self.held, self.lost = True, None
         self._start_heartbeat()
 
-    def _try_take(self, watched: tuple[str, float] | None) -> LockHolder | None:
+    def _try_take(self, watched: tuple[bytes, float] | None) -> tuple[LockHolder, bytes] | None:
         """Under the guard: take the lock when there is none or it is stale (None); FleetError when its holder is alive
-        on this machine or has heartbeaten since ``watched``; else that holder (on another machine, alive or not)."""
+        on this machine or its file changed since ``watched`` (its bytes as first read, and when); else that holder and
+        the bytes read (a holder on another machine, not watched long enough to tell)."""
         with self._guard():
             holder, raw = self._read()
             if raw is None:
                 self._create()
                 return None
-            reason = self._stale(holder, raw)
+            reason = self._stale(holder, raw, watched)
             if reason:
                 self._write()
                 self.log(f"lightning_fleet: took over the lock of checkpoint directory {self.directory}: {reason}")
                 return None
             assert holder is not None  # a lock naming no holder is stale
-            if self._alive_here(holder) or (watched is not None and watched != (holder.token, holder.heartbeat)):
+            if self._alive_here(holder) or (watched is not None and watched[0] != raw):
                 raise self._refusal(holder)
-            return holder
+            return holder, raw
 
     def _me(self) -> LockHolder:
         return LockHolder(host=socket.gethostname(), machine=machine_id(), pid=os.getpid(), job=self.job, token=self.token,
-                          heartbeat=time.time())
+                          heartbeat=time.time(), rendezvous=self.rendezvous, beat=self._beats)
 
-    def _stale(self, holder: LockHolder | None, raw: bytes) -> str:
-        """Why the lock found may be taken over ('' when it may not)."""
+    def _stale(self, holder: LockHolder | None, raw: bytes, watched: tuple[bytes, float] | None) -> str:
+        """Why the lock found (its ``raw`` bytes) may be taken over ('' when it may not, or not yet)."""
         now = time.time()
         if holder is None:
             return f"its lock file held {len(raw)} bytes that name no holder (a holder that died while taking it)"
         if holder.token == self.token:
             return ""
         here = holder.machine == machine_id()
-        if holder.job and holder.job == self.job and not (here and process_alive(holder.pid) and holder.pid != os.getpid()):
+        if self._same_job(holder) and not (here and process_alive(holder.pid) and holder.pid != os.getpid()):
             return f"it was held by an earlier attempt of this job ({holder.describe(now)})"
         if here and (holder.pid == os.getpid() or not process_alive(holder.pid)):
             gone = "this process's earlier fit" if holder.pid == os.getpid() else "its process is gone"
             return f"it was held by {holder.describe(now)}, and {gone}"
-        if now - holder.heartbeat > self.stale_after_s:
-            return f"it was held by {holder.describe(now)}: stale (no heartbeat for more than {self.stale_after_s:.0f} s)"
+        if not here and watched is not None and watched[0] == raw and self.clock() - watched[1] >= self.stale_after_s:
+            return (f"it was held by {holder.describe(now)} on another machine, and its heartbeat did not move for "
+                    f"{self.stale_after_s:.0f} s")
         return ""
+
+    def _same_job(self, holder: LockHolder) -> bool:
+        """Whether ``holder`` is an earlier attempt of this job: the same run id and the same rendezvous."""
+        return bool(holder.job and holder.rendezvous) and (holder.job, holder.rendezvous) == (self.job, self.rendezvous)
 
     def _alive_here(self, holder: LockHolder) -> bool:
         return holder.machine == machine_id() and process_alive(holder.pid)
@@ -212,7 +277,7 @@ class DirLock:
         return FleetError(
             f"checkpoint directory {self.directory} is in use by another job ({holder.describe(time.time())}): two jobs "
             f"writing one directory overwrite each other's checkpoints; give this job another checkpoint_dir, or stop that "
-            f"job (its lock {self.path} is taken over {self.stale_after_s:.0f} s after its last heartbeat)"
+            f"job (its lock {self.path} is taken over once its heartbeat has not moved for {self.stale_after_s:.0f} s)"
         )
 
     # --- the file, under the guard ----------------------------------------------------------------------------
@@ -258,6 +323,7 @@ class DirLock:
 
     def _create(self) -> None:
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        self._beats += 1
         try:
             os.write(fd, self._me().encode())
             os.fsync(fd)
@@ -276,6 +342,7 @@ class DirLock:
             self._create()
             return
         fd = os.open(self.path, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        self._beats += 1
         try:
             os.pwrite(fd, self._me().encode(), 0)
             os.ftruncate(fd, LOCK_BYTES)

@@ -126,6 +126,14 @@ def announce_launch_advice(rank: int) -> None:
         print(advice, flush=True)
 
 
+def rendezvous_endpoint() -> str:
+    """The rendezvous endpoint this worker's torchrun agent was started with (``--rdzv-endpoint``, read from the agent's
+    command line, else ``PET_RDZV_ENDPOINT``); '' where there is none (torchrun's static rendezvous, not torchrun)."""
+    argv = _agent_argv()
+    endpoint = _flag(argv, "--rdzv-endpoint") or _flag(argv, "--rdzv_endpoint") or os.environ.get("PET_RDZV_ENDPOINT", "")
+    return endpoint.strip()
+
+
 def _agent_argv() -> list[str]:
     """The command line of this worker's parent (torchrun's agent), empty where it cannot be read."""
     try:
@@ -256,23 +264,54 @@ def module_command(module: str, *args: str) -> list[str]:
     return [sys.executable, "-c", _DIE_WITH_PARENT_MAIN, str(os.getpid()), module, *args]
 
 
-def peer_lost(error: BaseException, timeout: timedelta | None) -> FleetError:
-    """The FleetError for a collective that failed because a peer hung past the process-group timeout or is gone.
+def peer_lost(error: BaseException, timeout: timedelta | None, during: str = "") -> FleetError:
+    """The FleetError for a collective that failed because a peer hung past the process-group timeout or is gone;
+    ``during`` names where (e.g. "FleetCheckpoint's agreement on saving").
 
     Every rank that meets it prints its line at once and exits (no rank waits for rank 0 to speak: rank 0 may be the
     hung one); it is not deterministic, so torchrun restarts the job from its last checkpoint while restarts are left."""
     first = (str(error).strip().splitlines() or [""])[0][:300]
+    where = f" in {during}" if during else ""
     if "timeout" in first.lower() or "timed out" in first.lower():  # gloo: "Timed out waiting", then "Application timeout"
         within = f" within FleetStrategy(timeout={timeout.total_seconds():g} s)" if timeout is not None else ""
-        what = f"a collective did not complete{within}: a peer process is hung"
+        what = f"a collective{where} did not complete{within}: a peer process is hung"
     else:  # gloo: "Connection closed by peer", NCCL: a remote error
-        what = "a collective failed: a peer process is gone"
+        what = f"a collective{where} failed: a peer process is gone"
     failure = FleetError(
         f"rank {_global_rank()}: {what} ({type(error).__name__}: {first}); stopping this rank (torchrun restarts the job "
         "from its last checkpoint while restarts are left)"
     )
     setattr(failure, _OWN_LINE, True)
     return failure
+
+
+_COLLECTIVE_MARKS = ("gloo", "nccl", "timed out", "connection closed by peer", "connection reset by peer", "broken pipe")
+"""Words of a collective's failure as gloo and NCCL raise it (gloo raises a plain RuntimeError whose text starts with
+its source path, e.g. ``[.../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 8000ms for recv``)."""
+
+
+def collective_failure(error: BaseException) -> bool:
+    """Whether ``error`` is a collective that failed (a peer hung past the timeout, or gone): torch's DistError family,
+    or a RuntimeError in gloo's or NCCL's words. Anything else (a bug, a user's exception) is not."""
+    dist = sys.modules.get("torch.distributed")
+    dist_error = getattr(dist, "DistError", None) if dist is not None else None
+    if dist_error is not None and isinstance(error, dist_error):
+        return True
+    first = (str(error).strip().splitlines() or [""])[0].lower()
+    return type(error) is RuntimeError and any(mark in first for mark in _COLLECTIVE_MARKS)
+
+
+@contextmanager
+def collectives(during: str, timeout: timedelta | None) -> Iterator[None]:
+    """Run a block of collectives (ours or the runtime's): one that fails because a peer hung or is gone ends this rank
+    with :func:`peer_lost`'s one line naming ``during``, chained to the original error (never swallowed); every other
+    exception passes unchanged."""
+    try:
+        yield
+    except Exception as err:
+        if isinstance(err, FleetError) or not collective_failure(err):
+            raise
+        raise peer_lost(err, timeout, during) from err
 
 
 def strict_sigterm_broadcast(loop: Any, timeout: timedelta | None) -> Callable[[], None] | None:
@@ -296,7 +335,7 @@ def strict_sigterm_broadcast(loop: Any, timeout: timedelta | None) -> Callable[[
         try:
             torch.distributed.broadcast(flag, src=0)
         except Exception as err:  # a timed-out or broken collective (DistBackendError, RuntimeError)
-            raise peer_lost(err, timeout) from err
+            raise peer_lost(err, timeout, "the per-step SIGTERM broadcast") from err
         if flag.item() == 1:
             with contextlib.suppress(Exception):
                 torch.distributed.barrier()  # as Lightning's: let every rank reach the exit
@@ -369,24 +408,39 @@ def end_job(error: FleetError) -> None:
     Rank 0 prints ``lightning_fleet: error: <message>``. The other ranks print nothing and wait up to
     :data:`PEER_GRACE_S` for the job to end around them (rank 0 exiting, the agent's SIGTERM); if it does not,
     rank 0 did not raise this error, and they print it themselves with their rank. A :func:`peer_lost` error is printed
-    by every rank that raises it, at once.
+    by every rank that raises it, at once. Under ``fleet launch`` a deterministic error is also written to its stop file
+    (restarts left or not), so that the launcher exits 2 without a line of its own.
     """
     rank = _global_rank()
-    message = " ".join(str(error).split("\n")).strip() or type(error).__name__
+    message = error_message(error)
     if getattr(error, _OWN_LINE, False):  # every rank that met it says so, with its rank (peer_lost)
         print(f"lightning_fleet: error: {message}", file=sys.stderr, flush=True)
         raise SystemExit(EXIT_CODE)
     if rank == 0:
         print(f"lightning_fleet: error: {message}", file=sys.stderr, flush=True)
+    if is_deterministic(error) and os.environ.get("LOCAL_RANK", "0") == "0":
+        _write_stop_file(message)
     agent = _agent_to_stop(error)
     if agent is not None:
-        _write_stop_file(message)
         os.kill(agent, signal.SIGTERM)
     if rank != 0 or agent is not None:
         ended = _ended_around_us(PEER_GRACE_S)  # the agent's SIGTERM exits from inside
         if not ended and rank != 0:
             print(f"lightning_fleet: error: rank {rank}: {message}", file=sys.stderr, flush=True)
     raise SystemExit(EXIT_CODE)
+
+
+def error_message(error: BaseException) -> str:
+    """``error``'s text on one line (its type's name when it has none)."""
+    return " ".join(str(error).split("\n")).strip() or type(error).__name__
+
+
+def error_line(error: FleetError) -> str:
+    """The line this rank prints (or would print, after its grace period) for ``error``: ``lightning_fleet: error:
+    <message>``, with ``rank R:`` on ranks other than 0 (a :func:`peer_lost` message names its rank itself)."""
+    rank = _global_rank()
+    who = f"rank {rank}: " if rank != 0 and not getattr(error, _OWN_LINE, False) else ""
+    return f"lightning_fleet: error: {who}{error_message(error)}"
 
 
 def _global_rank() -> int:
@@ -401,7 +455,8 @@ def _global_rank() -> int:
 
 
 def _agent_to_stop(error: FleetError) -> int | None:
-    """The torchrun agent's PID when this process should stop it: a deterministic error, restarts left, local rank 0."""
+    """The torchrun agent's PID when this process should stop it: a deterministic error, restarts left, local rank 0
+    (without restarts left the agent stops by itself once this rank exits)."""
     if not is_deterministic(error) or "TORCHELASTIC_RUN_ID" not in os.environ or os.environ.get("LOCAL_RANK", "0") != "0":
         return None
     restarts_left = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) - int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
@@ -435,17 +490,35 @@ def _ended_around_us(grace_s: float) -> bool:
 
 def write_error_file(error: BaseException, traceback: Any) -> None:
     """Write ``error`` to the file torchrun gives each worker (``TORCHELASTIC_ERROR_FILE``), in the format of torch's
-    ``ErrorHandler.record_exception``, so that the agent knows the root cause (``fleet launch`` prints it) without the
-    script's entry point being decorated with ``@record``. Does nothing outside torchrun."""
+    ``ErrorHandler.record_exception``, so that the agent knows the root cause without the script's entry point being
+    decorated with ``@record``. Does nothing outside torchrun.
+
+    torchrun's failure summary shows each failed rank's ``py_callstack`` where there is one, else its ``message``
+    (torch/distributed/elastic/multiprocessing/errors ``ChildFailedError._format_failure``): a FleetError is written as
+    its one line and no call stack, so that plain torchrun's summary ends in that line instead of the worker's
+    traceback (measured: 106 lines after the line, two tracebacks of 36 lines each); every other exception keeps its
+    traceback there. ``fleet launch`` names the root cause from the same message."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
-    line = " ".join(str(error).split("\n")).strip()
-    data = {"message": {"message": f"{type(error).__name__}: {line}" if line else type(error).__name__,
-                        "extraInfo": {"py_callstack": "".join(tb.format_exception(type(error), error, traceback)),
-                                      "timestamp": str(int(time.time()))}}}
+    info = {"timestamp": str(int(time.time()))}
+    if isinstance(error, FleetError):
+        message = error_line(error)
+    else:
+        line = error_message(error)
+        message = f"{type(error).__name__}: {line}" if str(error).strip() else type(error).__name__
+        info["py_callstack"] = "".join(tb.format_exception(type(error), error, traceback))
+    _write_whole(Path(path), json.dumps({"message": {"message": message, "extraInfo": info}}))
+
+
+def _write_whole(path: Path, text: str) -> None:
+    """Write ``path`` by renaming a complete temporary file over it: the agent reads either nothing or all of it
+    (measured before: a worker ended mid-write left an empty error file, on which torch's failure record, and with it
+    ``fleet launch``, failed with "JSONDecodeError: Expecting value")."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with contextlib.suppress(OSError):
-        Path(path).write_text(json.dumps(data))
+        tmp.write_text(text)
+        os.replace(tmp, path)
 
 
 # --- a clean exit -------------------------------------------------------------------------------------

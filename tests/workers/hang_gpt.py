@@ -4,7 +4,10 @@ Every rank appends ``<global step> <restart count>`` per optimizer step it compl
 and, at the start of training, writes the timeout of every process group it belongs to (torch's default group and
 every group DeepSpeed created) to ``<dir>/groups-rank<R>-attempt<A>.json``; rank 0 writes ``<dir>/final.json`` (the
 global step, the checkpoint it resumed from, whether a SIGTERM stopped it). ``--sleep S`` slows each step so that a
-test can deliver a signal mid-run.
+test can deliver a signal mid-run: after the step's checkpoint callback (the default), or with ``--sleep-at`` before it
+(``checkpoint``: a peer stopped there leaves the others in FleetCheckpoint's per-step agreement) or before the backward
+(``backward``: in DeepSpeed's gradient reduction); each rank appends a line to ``<dir>/sleeping-rank<R>.txt`` as it
+starts each sleep.
 """
 
 from __future__ import annotations
@@ -45,8 +48,8 @@ def group_timeouts() -> list[dict]:
 class Record(Callback):
     """Writes the process groups' timeouts at the start of training and one line per completed step."""
 
-    def __init__(self, out: Path, sleep: float) -> None:
-        self.out, self.sleep = out, sleep
+    def __init__(self, out: Path, sleep: float, at: str = "end") -> None:
+        self.out, self.sleep, self.at = out, sleep, at
         self.attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
 
     def on_train_start(self, trainer, pl_module):
@@ -56,7 +59,17 @@ class Record(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         with open(self.out / f"steps-rank{trainer.global_rank}.txt", "a") as f:
             f.write(f"{trainer.global_step} {self.attempt}\n")
+        if self.at != "backward":
+            self._sleep(trainer)
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        if self.at == "backward":
+            self._sleep(trainer)
+
+    def _sleep(self, trainer) -> None:
         if self.sleep:
+            with open(self.out / f"sleeping-rank{trainer.global_rank}.txt", "a") as f:
+                f.write(f"{trainer.global_step}\n")
             time.sleep(self.sleep)
 
 
@@ -68,6 +81,7 @@ def main() -> None:
     parser.add_argument("--plan", default="dp=2,zero=2")
     parser.add_argument("--timeout", type=float, default=600.0, help="FleetStrategy(timeout=...) in seconds")
     parser.add_argument("--sleep", type=float, default=0.0)
+    parser.add_argument("--sleep-at", choices=["end", "checkpoint", "backward"], default="end")
     args = parser.parse_args()
     out = Path(args.dir)
     seed_everything(0)
@@ -79,7 +93,7 @@ def main() -> None:
         max_steps=args.steps,
         **QUIET_TRAINER,
         limit_val_batches=0,
-        callbacks=[checkpoint, Record(out, args.sleep)],
+        callbacks=[Record(out, args.sleep, args.sleep_at), checkpoint] if args.sleep_at == "checkpoint" else [checkpoint, Record(out, args.sleep, args.sleep_at)],
     )
     trainer.fit(GPT(**SIZES), StdlibText(**DATA))
     if trainer.global_rank == 0:
