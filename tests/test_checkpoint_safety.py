@@ -14,11 +14,15 @@ import os
 import shutil
 import subprocess
 import sys
+import stat
+import tempfile
 import threading
 import time
+import traceback
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
+from typing import Callable
 
 import psutil
 import pytest
@@ -26,14 +30,27 @@ import torch
 
 from lightning_fleet.elastic.checkpoint import (
     LATEST_MAX_BYTES,
+    check_private,
     committed,
     file_table,
     newest_verified,
     read_latest,
     remove_abandoned,
     set_aside_newer,
+    write_atomic,
 )
-from lightning_fleet.elastic.layout import LATEST, LOCK, MANIFEST, SET_ASIDE, Manifest, step_dir_name
+from lightning_fleet.elastic.layout import (
+    GUARD,
+    LATEST,
+    LOCK,
+    MANIFEST,
+    SET_ASIDE,
+    UNIVERSAL,
+    Manifest,
+    derived_listed,
+    step_dir_name,
+    verify,
+)
 from lightning_fleet.elastic.lock import DirLock, LockHolder, job_rendezvous, machine_id
 from lightning_fleet.elastic.worker import is_deterministic
 from lightning_fleet.planning import FleetError
@@ -566,8 +583,9 @@ def test_a_read_only_checkpoint_dir_is_one_deterministic_line_before_training(tm
 @pytest.mark.unit
 @pytest.mark.usefixtures("restore_environment")
 def test_a_checkpoint_dir_without_room_for_one_more_checkpoint_is_refused_at_setup_and_at_a_save(tmp_path):
-    """Setup: free space below the newest checkpoint's size. A save: below the previous save's size (the file system
-    filled meanwhile), refused before anything is written; the previous checkpoint is named, intact."""
+    """Setup: free space below what keep + 1 checkpoints of the newest one's size need. A save: below the previous
+    save's size (the file system filled meanwhile), refused before anything is written; the previous checkpoint is named,
+    intact."""
     with tmpfs(tmp_path / "small", "400k") as mount:
         trainer, module, data = _fit_in_process(mount, steps=2, keep=2)
         trainer.fit(module, data)
@@ -576,8 +594,19 @@ def test_a_checkpoint_dir_without_room_for_one_more_checkpoint_is_refused_at_set
         trainer, module, data = _fit_in_process(mount, steps=4, keep=2)
         with pytest.raises(FleetError) as err:
             trainer.fit(module, data)
-        assert "one more checkpoint needs about" in str(err.value) and "the size of step-000000002" in str(err.value)
-        assert is_deterministic(err.value)
+        assert "keep=2 needs room for 1 more checkpoint(s) (2 there now)" in str(err.value)
+        assert "the size of step-000000002" in str(err.value) and is_deterministic(err.value)
+        (mount / "filler").unlink()
+        # Issue 22, 14: keep=4 with 2 there needs 3 more; room for one and a half. Before: passed setup, then stopped
+        # the job for good at the second save ("the file system is full").
+        (mount / "filler").write_bytes(b"\0" * max(0, shutil.disk_usage(mount).free - size * 3 // 2))
+        trainer, module, data = _fit_in_process(mount, steps=6, keep=4)
+        with pytest.raises(FleetError) as err:
+            trainer.fit(module, data)
+        message = str(err.value)
+        assert "\n" not in message and "keep=4 needs room for 3 more checkpoint(s) (2 there now) of about" in message
+        assert "(the size of step-000000002)" in message and "lower keep" in message and is_deterministic(err.value)
+        assert [p.name for p in committed(mount / "ckpt")] == ["step-000000002", "step-000000001"]  # nothing trained
         (mount / "filler").unlink()
 
         from lightning.pytorch import Callback
@@ -671,3 +700,292 @@ def test_ranks_seeded_apart_read_every_sample_once_and_the_manifest_records_the_
     assert len(seen) == 64 and sorted(seen) == list(range(64))
     manifest = Manifest.from_json((committed(tmp_path / "ckpt")[0] / MANIFEST).read_bytes())
     assert manifest.data_seed == 3
+
+
+# --- local attackers, umask, our own temporary files (issue 22, items 12-14) -------------------------------------------
+
+NOBODY = 65534
+"""uid and gid of the user ``nobody``: a real other local user."""
+
+
+def as_nobody(action: Callable[[], None]) -> None:
+    """Run ``action`` in a forked child as the user nobody; fail when it raised (its traceback on stderr)."""
+    if os.geteuid() != 0:
+        pytest.skip("acting as another local user needs root")
+    pid = os.fork()
+    if pid == 0:  # the child: no pytest, no torch, only file operations
+        code = 1
+        try:
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            action()
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the child acting as nobody failed (see stderr)"
+
+
+@pytest.fixture
+def shared_tmp():
+    """A directory every local user can reach (pytest's tmp_path is root's alone): 0755, root's, removed afterwards."""
+    path = Path(tempfile.mkdtemp(prefix="fleet-shared-"))
+    path.chmod(0o755)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def writable_by_others(root: Path) -> list[str]:
+    """Entries below ``root`` (and root) that a user other than their owner can write."""
+    found = [root, *root.rglob("*")]
+    return sorted(f"{p.relative_to(root)} {stat.S_IMODE(p.lstat().st_mode):o}" for p in found if p.lstat().st_mode & 0o022)
+
+
+@pytest.mark.pure
+def test_a_checkpoint_dir_in_a_parent_others_can_write_without_the_sticky_bit_is_refused(tmp_path):
+    """Issue 22, 12(a): who can write the parent can move the checkpoint directory away and put their own in its place.
+    Before: only the directory itself was checked."""
+    for mode, who in ((0o777, "everyone"), (0o2775, "its group")):
+        project = tmp_path / f"project-{mode:o}"
+        project.mkdir()
+        project.chmod(mode)
+        for ckpt in (project / "ckpt", project / "ckpt" / "deeper"):  # a missing directory too: its parent exists
+            with pytest.raises(FleetError) as err:
+                check_private(ckpt)
+            message = str(err.value)
+            assert "\n" not in message and f"lies in {project}, which {who} can write (mode {mode:o}, no sticky bit)" in message
+            assert f"chmod +t {project}" in message
+    sticky = tmp_path / "tmp-like"
+    sticky.mkdir()
+    sticky.chmod(0o1777)  # as /tmp: others cannot rename what is not theirs
+    (sticky / "ckpt").mkdir(mode=0o755)
+    check_private(sticky / "ckpt")
+
+
+@pytest.mark.unit
+@pytest.mark.usefixtures("restore_environment")
+def test_nobody_cannot_swap_the_checkpoint_dir_and_make_the_root_job_write_through_a_link(shared_tmp):
+    """Issue 22, 12(a), the audit's attack with a real other user: the checkpoint directory's parent is writable by
+    everyone (a shared project directory); after the save of step 2, nobody moves the directory away, puts one of their
+    own in its place (with a copy of the lock) and plants a link to a root-only file at rank 0's temporary `latest` name.
+    Before: the root job overwrote that file through the link, finished and printed nothing. Now refused at setup."""
+    project = shared_tmp / "project"
+    project.mkdir()
+    project.chmod(0o777)
+    victim = shared_tmp / "root-only"
+    victim.write_bytes(b"secret")
+    victim.chmod(0o600)
+    ckpt, job, attacked = project / "ckpt", os.getpid(), []
+
+    def swap() -> None:
+        ckpt.rename(project / "moved")
+        os.mkdir(ckpt, 0o755)
+        for name in (LOCK, GUARD):
+            shutil.copyfile(project / "moved" / name, ckpt / name)
+        for name in (f".{LATEST}.tmp{job}", f".tmp-{LATEST}.{job}"):
+            os.symlink(victim, ckpt / name)
+
+    from lightning.pytorch import Callback
+
+    class Attack(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == 2 and not attacked:
+                as_nobody(swap)
+                attacked.append(True)
+
+    trainer, module, data = _fit_in_process(project, steps=4, keep=2)
+    trainer.callbacks.append(Attack())  # after FleetCheckpoint: once step 2 is saved
+    with pytest.raises(FleetError) as err:
+        trainer.fit(module, data)
+    assert victim.read_bytes() == b"secret"
+    message = str(err.value)
+    assert "\n" not in message and f"lies in {project}, which everyone can write (mode 777, no sticky bit)" in message
+    assert is_deterministic(err.value) and not attacked
+
+
+@pytest.mark.unit
+def test_an_atomic_write_never_follows_a_link_planted_at_a_temporary_name(shared_tmp):
+    """Issue 22, 12(a): where the directory is another user's anyway (moved in after the checks), their links at the
+    temporary names (the pid is visible in `ps`) are never written through. Before: `.latest.tmp<pid>` was opened with
+    open(..., "w"), following the link."""
+    place = shared_tmp / "theirs"
+    place.mkdir()
+    os.chown(place, NOBODY, NOBODY)
+    victim = shared_tmp / "root-only"
+    victim.write_bytes(b"secret")
+    victim.chmod(0o600)
+    job = os.getpid()
+    as_nobody(lambda: [os.symlink(victim, place / name) for name in (f".{LATEST}.tmp{job}", f".tmp-{LATEST}.{job}")])
+    write_atomic(place / LATEST, "step-000000004")
+    assert victim.read_bytes() == b"secret"
+    assert not (place / LATEST).is_symlink() and (place / LATEST).read_text() == "step-000000004"
+    assert stat.S_IMODE((place / LATEST).stat().st_mode) == 0o644
+
+
+@pytest.mark.unit
+@pytest.mark.usefixtures("restore_environment")
+@pytest.mark.parametrize("umask", [0o000, 0o002])
+def test_under_a_permissive_umask_no_entry_is_writable_by_others_and_a_replacement_is_refused(shared_tmp, umask):
+    """Issue 22, 12(b). Before: under umask 000 (002 alike) every step dir and file below the 0755 checkpoint directory
+    was created writable by others (40 of 42 entries), and nobody's replacement of the weights and the manifest (its
+    hashes recomputed) verified and was resumed. Now: explicit modes, and `verify` refuses foreign or writable entries."""
+    old = os.umask(umask)
+    try:
+        trainer, module, data = _fit_in_process(shared_tmp, steps=2, keep=2)
+        trainer.fit(module, data)
+    finally:
+        os.umask(old)
+    ckpt = shared_tmp / "ckpt"
+    assert writable_by_others(ckpt) == []
+    newest, older = committed(ckpt)
+    assert verify(newest).ok
+    # What the old code left under this umask, and what nobody could then do: replace a shard and the manifest.
+    for path in [newest, *newest.rglob("*")]:
+        path.chmod(0o777 if path.is_dir() else 0o666)
+    rank_file, forged = newest / "rank-00000.pt", (older / "rank-00000.pt").read_bytes()
+    table = {**file_table(newest), "rank-00000.pt": file_table(older)["rank-00000.pt"]}
+    manifest = Manifest.from_json((newest / MANIFEST).read_bytes())
+    text = Manifest(step=manifest.step, world_size=1, plan=manifest.plan, global_batch_size=manifest.global_batch_size,
+                    model=manifest.model, data_seed=manifest.data_seed, files=table).to_json()
+
+    def replace() -> None:
+        for path, content in ((rank_file, forged), (newest / MANIFEST, text.encode())):
+            path.unlink()
+            path.write_bytes(content)
+
+    as_nobody(replace)
+    verdict = verify(newest)
+    assert not verdict.ok and "another user could have replaced it" in verdict.reason, verdict.reason
+    assert newest_verified(ckpt, log=lambda line: None).path == older
+
+
+KILLED_WHILE_LISTING = """
+import os, sys
+from pathlib import Path
+sys.path.insert(0, {root!r})
+from lightning_fleet.elastic.checkpoint import list_derived
+from lightning_fleet.elastic.layout import Manifest, MANIFEST
+step = Path({step!r})
+os.replace = lambda *args: os.kill(os.getpid(), 9)  # killed between the temporary manifest's write and its rename
+list_derived(step, Manifest.from_json((step / MANIFEST).read_bytes()), {name!r})
+"""
+
+
+@pytest.mark.unit
+def test_a_kill_while_the_universal_form_is_listed_leaves_a_checkpoint_that_verifies_and_is_chosen(tmp_path):
+    """Issue 22, 13: a real SIGKILL between the temporary manifest's write and its rename. Before: the writer's own
+    `.manifest.json.tmp<pid>` stayed in the step dir and the good checkpoint failed verification for good ("not listed
+    in the manifest"): a later resize resharded from the older step."""
+    fake_checkpoint(tmp_path, 2)
+    step = fake_checkpoint(tmp_path, 4)
+    (tmp_path / LATEST).write_text(step.name)
+    (step / UNIVERSAL / "checkpoint").mkdir(parents=True)
+    (step / UNIVERSAL / "checkpoint" / "fp32.pt").write_bytes(b"x" * 100)
+    code = KILLED_WHILE_LISTING.format(root=str(ROOT), step=str(step), name=UNIVERSAL)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == -9, done.stderr[-2000:]
+    (step / ".manifest.json.tmp4242").write_text("{}")  # what earlier versions left there
+    chosen = newest_verified(tmp_path, log=pytest.fail)
+    assert chosen.path == step and not derived_listed(chosen.manifest, UNIVERSAL)  # converted again, from this step
+    strays = [p.name for p in tmp_path.glob(".tmp-*")]
+    assert len(strays) == 1 and strays[0].startswith(f".tmp-{MANIFEST}."), strays
+    held = DirLock(tmp_path)
+    held.acquire()
+    try:
+        remove_abandoned(tmp_path, held)
+    finally:
+        held.release()
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
+@pytest.mark.unit
+@pytest.mark.usefixtures("restore_environment")
+def test_a_checkpoint_dir_deleted_between_saves_is_made_again_and_the_job_finishes(tmp_path, capfd):
+    """Issue 22, 14 (a regression): one `rm -rf` of the checkpoint directory after the save of step 2. Before: the save
+    of step 3 stopped the job (exit 2), blaming a full disk and calling the deleted step 2 "intact"."""
+    from lightning.pytorch import Callback
+
+    ckpt, removed = tmp_path / "ckpt", []
+
+    class Remove(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == 2 and not removed:
+                shutil.rmtree(ckpt)
+                removed.append(True)
+
+    trainer, module, data = _fit_in_process(tmp_path, steps=4, keep=2)
+    trainer.callbacks.append(Remove())
+    trainer.fit(module, data)
+    assert removed and [p.name for p in committed(ckpt)] == ["step-000000004", "step-000000003"]
+    assert all(verify(p).ok for p in committed(ckpt)) and not (ckpt / LOCK).exists()
+    lines = [line for line in capfd.readouterr().out.splitlines() if "was deleted since the last save" in line]
+    assert len(lines) == 1 and "made it again, with its lock" in lines[0]
+
+
+@pytest.mark.unit
+@pytest.mark.usefixtures("restore_environment")
+@pytest.mark.parametrize("moment", ["after DeepSpeed wrote", "while Lightning builds the checkpoint"])
+def test_a_checkpoint_dir_deleted_during_a_save_is_named_as_the_cause_not_a_full_disk(tmp_path, moment):
+    """Issue 22, 14: the directory removed during the save of step 3, once DeepSpeed wrote its part (the rank file then
+    has nowhere to go), or before (DeepSpeed makes the path again, without the lock). Before: "the file system is full
+    (0 bytes free ...)" and the deleted step 2 called "intact"; or the save went on into the new path and the next one
+    blamed "another job"."""
+    from lightning.pytorch import Callback
+
+    ckpt = tmp_path / "ckpt"
+
+    class RemoveDuringSave(Callback):
+        def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+            if trainer.global_step == 3 and moment.startswith("while"):
+                shutil.rmtree(ckpt)
+
+    trainer, module, data = _fit_in_process(tmp_path, steps=4, keep=2, callbacks=[RemoveDuringSave()])
+    save = trainer.save_checkpoint
+
+    def save_then_remove(*args, **kwargs):
+        save(*args, **kwargs)
+        if trainer.global_step == 3 and moment.startswith("after"):
+            shutil.rmtree(ckpt)
+
+    trainer.save_checkpoint = save_then_remove
+    with pytest.raises(FleetError) as err:
+        trainer.fit(module, data)
+    message = str(err.value)
+    assert "\n" not in message and f"saving the checkpoint of step 3 to {ckpt / 'step-000000003'} failed" in message
+    assert "deleted" in message and "full" not in message and "intact" not in message, message
+    assert f"this job's last checkpoint {ckpt / 'step-000000002'} (step 2)" in message
+    assert not is_deterministic(err.value)  # a restart makes the directory again
+
+
+@pytest.mark.unit
+@pytest.mark.usefixtures("restore_environment")
+def test_a_checkpoint_dir_replaced_between_saves_gets_nothing_written_into_it(tmp_path):
+    """Issue 22, 12(a): the directory's identity (device, inode) is checked at every save and commit. Before: a
+    directory put in its place (with a copy of the lock) received the job's next checkpoints."""
+    from lightning.pytorch import Callback
+
+    ckpt, swapped = tmp_path / "ckpt", []
+
+    class Swap(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == 2 and not swapped:
+                ckpt.rename(tmp_path / "moved")
+                ckpt.mkdir(mode=0o755)
+                for name in (LOCK, GUARD):
+                    shutil.copyfile(tmp_path / "moved" / name, ckpt / name)
+                swapped.append(True)
+
+    trainer, module, data = _fit_in_process(tmp_path, steps=4, keep=2)
+    trainer.callbacks.append(Swap())
+    with pytest.raises(FleetError) as err:
+        trainer.fit(module, data)
+    message = str(err.value)
+    assert "\n" not in message and f"{ckpt} is not the one this job set up" in message, message
+    assert "intact" not in message
+    assert {p.name for p in ckpt.iterdir()} <= {LOCK, GUARD}  # nothing written into it
+    assert [p.name for p in committed(tmp_path / "moved")] == ["step-000000002", "step-000000001"]

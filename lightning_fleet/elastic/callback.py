@@ -38,12 +38,16 @@ from lightning_fleet.elastic.checkpoint import (
     file_table,
     fsync_path,
     fsync_tree,
+    identity,
+    make_dir,
     make_private_dir,
     probe_writable,
     prune,
     remove_abandoned,
+    seal_tree,
     set_aside,
     set_aside_newer,
+    still_there,
     write_atomic,
 )
 from lightning_fleet.elastic.layout import LATEST, MANIFEST, Manifest, rank_file, state_dir, step_dir_name, step_of, tmp_name
@@ -91,16 +95,19 @@ class FleetCheckpoint(Callback):
         self._lock: DirLock | None = None  # rank 0's hold on dirpath, from claim() to the end of fit
         self._claimed = False
         self._needed_bytes = 0  # free space one more checkpoint needs (the newest one's size, or the estimate)
+        self._identity: tuple[int, int] | None = None  # rank 0: (device, inode) of dirpath as claimed
         self._resumed: Path | None = None  # the checkpoint this fit continued, the last good one before its own saves
 
     # --- the directory ------------------------------------------------------------------------
 
     def claim(self, trainer: Any) -> None:
         """Before anything reads or writes ``dirpath``: rank 0 takes its lock, removes saves that never committed and
-        probes that one more checkpoint can be written (the directory writable, free space at least the newest
-        checkpoint's size, or :data:`CHECKPOINT_BYTES_PER_PARAMETER` per parameter when there is none). Every rank raises
-        the same deterministic FleetError when not. Collective; once per fit (FleetStrategy calls it at setup, before
-        choosing the checkpoint to continue; with another strategy it runs at train start)."""
+        probes that the checkpoints ``keep`` asks for can be written (the directory writable, in a tree no other user
+        can rearrange; free space for ``keep`` + 1 checkpoints, the most there are during a save before pruning, less
+        those already there, each of the newest checkpoint's size, or :data:`CHECKPOINT_BYTES_PER_PARAMETER` per
+        parameter when there is none). Every rank raises the same deterministic FleetError when not. Collective; once
+        per fit (FleetStrategy calls it at setup, before choosing the checkpoint to continue; with another strategy it
+        runs at train start)."""
         if self._claimed:
             return
         verdict = self._claim_here(trainer) if trainer.is_global_zero else None
@@ -113,10 +120,7 @@ class FleetCheckpoint(Callback):
     def _claim_here(self, trainer: Any) -> tuple[str | None, int]:
         """Rank 0's part of :meth:`claim`: (what is wrong or None, bytes one more checkpoint needs)."""
         try:
-            make_private_dir(self.dirpath)
-            self._lock = self._lock or DirLock(self.dirpath, log=lambda line: print(line, flush=True))
-            self._lock.acquire()
-            remove_abandoned(self.dirpath, self._lock)
+            self._take_directory()
             needed, basis = self._space_needed(trainer)
             problem = probe_writable(self.dirpath)
         except FleetError as err:
@@ -128,11 +132,36 @@ class FleetCheckpoint(Callback):
         if problem:
             return (f"checkpoint directory {self.dirpath}: {problem}; every save would fail (after training, and again at "
                     "every restart): make it writable or point checkpoint_dir elsewhere"), 0
-        free = shutil.disk_usage(self.dirpath).free
-        if free < needed:
-            return (f"checkpoint directory {self.dirpath} has {_size(free)} free, and one more checkpoint needs about "
-                    f"{_size(needed)} ({basis}): free space there or point checkpoint_dir elsewhere"), 0
+        free, present = shutil.disk_usage(self.dirpath).free, len(committed(self.dirpath))
+        count = max(self.keep - present, 0) + 1  # a save holds keep + 1 until it prunes
+        if free < count * needed:
+            return (f"checkpoint directory {self.dirpath} has {_size(free)} free, and keep={self.keep} needs room for "
+                    f"{count} more checkpoint(s) ({present} there now) of about {_size(needed)} each ({basis}), "
+                    f"{_size(count * needed)} in all: free space there, lower keep, or point checkpoint_dir elsewhere"), 0
         return None, needed
+
+    def _take_directory(self) -> None:
+        """Rank 0: create ``dirpath`` privately (or check it is private), take its lock, remove saves that never
+        committed and note which directory it is (:meth:`_check_directory` compares at every save)."""
+        make_private_dir(self.dirpath)
+        self._lock = self._lock or DirLock(self.dirpath, log=lambda line: print(line, flush=True))
+        self._lock.acquire()
+        self._identity = identity(self.dirpath)
+        remove_abandoned(self.dirpath, self._lock)
+
+    def _check_directory(self) -> None:
+        """Rank 0, before a save writes: ``dirpath`` is still the directory claimed. Deleted since (``rm -rf``): made
+        again, with its lock, and the job goes on (a line says so). Another directory in its place: FleetError (this job
+        writes nothing into a directory it did not set up)."""
+        found = identity(self.dirpath)
+        if found is None:
+            print(f"lightning_fleet: checkpoint directory {self.dirpath} was deleted since the last save (with the "
+                  "checkpoints it held); made it again, with its lock", flush=True)
+            assert self._lock is not None, "claim() took the lock on rank 0"
+            self._lock.release()  # its heartbeat stopped with the lock file gone
+            self._take_directory()
+        elif found != self._identity:
+            raise FleetError(f"checkpoint directory {self.dirpath} is not the one this job set up")  # _failed says more
 
     def _space_needed(self, trainer: Any) -> tuple[int, str]:
         """(bytes, how they were found) one more checkpoint needs: the newest one's size, else an estimate."""
@@ -141,7 +170,8 @@ class FleetCheckpoint(Callback):
             return directory_bytes(newest[0]), f"the size of {newest[0].name}"
         params = sum(p.numel() for p in trainer.lightning_module.parameters())
         return CHECKPOINT_BYTES_PER_PARAMETER * params, (
-            f"{CHECKPOINT_BYTES_PER_PARAMETER} bytes for each of the module's {params} parameters; none saved there yet")
+            f"estimated at {CHECKPOINT_BYTES_PER_PARAMETER} bytes for each of the module's {params} parameters; none saved "
+            "there yet")
 
     def _release(self) -> None:
         if self._lock is not None:
@@ -256,12 +286,13 @@ class FleetCheckpoint(Callback):
         """Rank 0: why it cannot start the save of ``tmp`` ('' when it can), having made ``tmp`` when it can."""
         try:
             assert self._lock is not None, "claim() took the lock on rank 0"
+            self._check_directory()
             self._lock.verify()
             remove_abandoned(self.dirpath, self._lock)
             free = shutil.disk_usage(self.dirpath).free
             if free < self._needed_bytes:
                 return "no room for it"  # _failed says how much
-            tmp.mkdir()
+            make_dir(tmp, 0o700)  # nobody else enters it while DeepSpeed and torch write with the umask's modes
         except FleetError as err:
             return str(err)
         except OSError as err:
@@ -305,8 +336,10 @@ class FleetCheckpoint(Callback):
         """Rank 0: manifest last; ``latest`` names the step, then the directory is renamed into place (a crash between
         the two leaves ``latest`` naming a missing directory: the newest verified one is resumed); what was already
         there under that name, or numbered above it, is set aside (never deleted); then prune. Returns its bytes."""
+        seal_tree(tmp)  # 0755 directories, files 0644 or tighter, whatever the umask: then hashed
         manifest = self._manifest(trainer, tmp)
         write_atomic(tmp / MANIFEST, manifest.to_json())
+        self._check_directory_kept()
         if os.path.lexists(final):  # not the checkpoint this job resumed (it did not verify, or `latest` named another)
             print(f"lightning_fleet: {final} was already there; moved to {set_aside(self.dirpath, final)}", flush=True)
         write_atomic(self.dirpath / LATEST, final.name)
@@ -316,26 +349,47 @@ class FleetCheckpoint(Callback):
         prune(self.dirpath, self.keep, protect=[final])
         return sum(entry.bytes for entry in manifest.files.values())
 
+    def _check_directory_kept(self) -> None:
+        """Rank 0, right before the commit's rename: ``dirpath`` is still the directory claimed (FleetError if not)."""
+        if identity(self.dirpath) != self._identity:
+            raise FleetError(f"checkpoint directory {self.dirpath} is not the one this job set up")  # _failed says more
+
     def _last_good(self) -> str:
-        """The newest checkpoint known good, in words (this fit's last save, else the one it resumed)."""
+        """The newest checkpoint known good, in words (this fit's last save, else the one it resumed), checked to be
+        still there (size, not hash) before it is named as good."""
         good = self.saved[-1] if self.saved else self._resumed
         if good is None:
             return f"no checkpoint of this job in {self.dirpath} yet"
-        return f"the last good checkpoint is {good} (step {step_of(good.name)})"
+        moved = identity(self.dirpath) not in (None, self._identity) and self._identity is not None
+        gone = f"was in the directory this job set up, which is no longer at {self.dirpath}" if moved else still_there(good)
+        if gone:
+            return f"this job's last checkpoint {good} (step {step_of(good.name)}) {gone}"
+        return f"the last good checkpoint is {good} (step {step_of(good.name)}), intact"
 
     def _failed(self, final: Path, what: str) -> FleetError:
-        """The one line of a save that failed; deterministic when the next attempt's setup would fail the same way
-        (the directory unwritable, or without room for one more checkpoint)."""
-        free = shutil.disk_usage(self.dirpath).free if self.dirpath.is_dir() else 0
-        full = free < self._needed_bytes
-        if full:  # whatever the runtime said (torch's "enforce fail at inline_container.cc", ENOSPC): the cause is this
-            what = f"the file system is full ({_size(free)} free, a checkpoint needs about {_size(self._needed_bytes)})"
+        """The one line of a save that failed, naming its cause as found on disk (the directory deleted or replaced, the
+        file system full) before the runtime's words; deterministic when the next attempt's setup would fail the same
+        way (the directory unwritable, or without room for one more checkpoint)."""
+        found = identity(self.dirpath)
+        full, cause = False, what
+        if found is None:
+            cause = f"the checkpoint directory {self.dirpath} was deleted during the save ({what})"
+        elif self._identity is not None and found != self._identity:
+            cause = (f"the checkpoint directory {self.dirpath} is not the one this job set up (deleted and made again, or "
+                     "moved away and replaced: its device and inode changed), and this job writes nothing into a directory "
+                     "it did not set up")
+        else:
+            free = shutil.disk_usage(self.dirpath).free
+            full = free < self._needed_bytes
+            if full:  # whatever the runtime said (torch's "enforce fail at inline_container.cc", ENOSPC): the cause is this
+                cause = f"the file system is full ({_size(free)} free, a checkpoint needs about {_size(self._needed_bytes)})"
         error = FleetError(
-            f"saving the checkpoint of step {step_of(final.name)} to {final} failed: {what}; nothing of it was kept and "
-            f"{self._last_good()}, intact: {'free space there' if full else 'fix the cause'} and restart (it resumes from "
-            "there), or point checkpoint_dir elsewhere"
+            f"saving the checkpoint of step {step_of(final.name)} to {final} failed: {cause}; nothing of it was kept and "
+            f"{self._last_good()}: {'free space there' if full else 'fix the cause'} and restart (it resumes from the newest "
+            "checkpoint that verifies), or point checkpoint_dir elsewhere"
         )
-        unwritable = not self.dirpath.is_dir() or bool(probe_writable(self.dirpath))
+        parent = self.dirpath.parent
+        unwritable = bool(probe_writable(self.dirpath)) if found is not None else not os.access(parent, os.W_OK | os.X_OK)
         return deterministic(error, full or unwritable)
 
     @staticmethod

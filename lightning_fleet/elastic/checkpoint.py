@@ -16,8 +16,11 @@ ones. Only the job holding the directory's lock (elastic/lock.py) writes, sets a
 
 Reading a checkpoint once: :func:`newest_verified` (or ``layout.verify``) hashes every file once and returns a
 :class:`~lightning_fleet.elastic.layout.Verdict` carrying the typed manifest; :func:`accept` turns an ok verdict into a
-:class:`VerifiedCheckpoint`. A checkpoint directory must be its user's alone (:func:`check_private`); a derived form
-(the universal one) is hashed into the manifest when complete (:func:`list_derived`).
+:class:`VerifiedCheckpoint`. A checkpoint directory must be its user's alone, in a tree no other user can rearrange
+(:func:`check_private`, :func:`check_ancestors`); everything in it is created with explicit modes whatever the umask
+(:func:`make_dir`, :func:`seal_tree`, :func:`write_atomic`, whose temporary files are made with ``O_EXCL | O_NOFOLLOW``
+under unpredictable names, never inside a step dir); a derived form (the universal one) is hashed into the manifest
+when complete (:func:`list_derived`).
 """
 
 from __future__ import annotations
@@ -25,16 +28,22 @@ from __future__ import annotations
 import os
 import shutil
 import stat
+import tempfile
+from contextlib import suppress
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterable, Protocol
 
 from lightning_fleet.elastic.layout import (
+    DIR_MODE,
+    FILE_MODE,
     PROBE_PREFIX,
     ABANDONED_GLOB,
     LATEST,
     MANIFEST,
     SET_ASIDE,
+    TMP_GLOB,
+    TMP_PREFIX,
     FileEntry,
     Manifest,
     Verdict,
@@ -61,15 +70,47 @@ def fsync_tree(root: Path) -> None:
     fsync_path(root)
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Write a small text file by temp file + fsync + rename + fsync of the directory."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def write_atomic(path: Path, text: str, scratch: Path | None = None) -> None:
+    """Write a small text file by temp file + fsync + rename + fsync of the directory. The temp file is made in
+    ``scratch`` (default: ``path``'s directory; it must be on the same file system) under an unpredictable name, with
+    ``O_EXCL | O_NOFOLLOW`` (a link planted there is never written through) and mode :data:`FILE_MODE` whatever the
+    umask; a crash leaves it there as ``.tmp-<name>.*``, never inside a checkpoint (see :func:`remove_abandoned`)."""
+    fd, tmp = tempfile.mkstemp(prefix=f"{TMP_PREFIX}{path.name}.", dir=scratch or path.parent)  # O_EXCL|O_NOFOLLOW, 0600
+    try:
+        with os.fdopen(fd, "w") as f:
+            os.fchmod(f.fileno(), FILE_MODE)
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with suppress(OSError):
+            os.unlink(tmp)
+        raise
     fsync_path(path.parent)
+
+
+def make_dir(path: Path, mode: int = DIR_MODE) -> None:
+    """Create one directory with exactly ``mode`` whatever the umask (FileExistsError when something is there)."""
+    os.mkdir(path, mode)
+    os.chmod(path, mode)  # the umask may have taken bits off: a checkpoint's entries have the same modes everywhere
+
+
+def seal_tree(root: Path) -> None:
+    """Give every entry below ``root`` (and root) the modes of a checkpoint whatever the umask and whoever wrote them
+    (DeepSpeed, torch): directories :data:`DIR_MODE`, regular files at most :data:`FILE_MODE` (0644 or tighter), so
+    that nobody but their owner can write any of them. Symbolic links are not followed (verify refuses them)."""
+    for folder, dirs, names in os.walk(root, topdown=False):
+        for name in names:
+            entry = os.path.join(folder, name)
+            info = os.lstat(entry)
+            if stat.S_ISREG(info.st_mode) and stat.S_IMODE(info.st_mode) & ~FILE_MODE:
+                os.chmod(entry, stat.S_IMODE(info.st_mode) & FILE_MODE)
+        for name in dirs:
+            entry = os.path.join(folder, name)
+            if not os.path.islink(entry):
+                os.chmod(entry, DIR_MODE)
+    os.chmod(root, DIR_MODE)
 
 
 def files_of(root: Path) -> list[Path]:
@@ -174,7 +215,8 @@ def prune(dirpath: Path, keep: int, protect: Iterable[Path]) -> None:
 def set_aside(dirpath: Path, checkpoint: Path) -> Path:
     """Move a committed checkpoint into ``dirpath/set-aside/`` (a new name if taken) and drop ``latest`` if it named it."""
     target_dir = dirpath / SET_ASIDE
-    target_dir.mkdir(exist_ok=True)
+    with suppress(FileExistsError):
+        make_dir(target_dir)
     target, n = target_dir / checkpoint.name, 1
     while target.exists():
         target, n = target_dir / f"{checkpoint.name}.{n}", n + 1
@@ -204,13 +246,20 @@ class DirectoryLock(Protocol):
 
 
 def remove_abandoned(dirpath: Path, lock: DirectoryLock) -> None:
-    """Delete temporary directories of saves that never committed; only while ``lock`` holds the directory (another
-    job's save in progress is never one of them)."""
+    """Delete what saves and commits that never finished left in ``dirpath``: temporary step directories and the
+    temporary files of :func:`write_atomic` (``latest``, a step's manifest being rewritten); only while ``lock`` holds
+    the directory (another job's save in progress is never one of them). A symbolic link there is removed, not followed."""
     if not lock.held or lock.directory.resolve() != dirpath.resolve():
         raise FleetError(f"removing abandoned saves in {dirpath} needs its lock (held: {lock.held}, lock of {lock.directory})")
-    if dirpath.is_dir():
-        for tmp in dirpath.glob(ABANDONED_GLOB):
-            shutil.rmtree(tmp, ignore_errors=True)
+    if not dirpath.is_dir():
+        return
+    for tmp in dirpath.glob(TMP_GLOB):
+        if tmp.is_dir() and not tmp.is_symlink():
+            if tmp.match(ABANDONED_GLOB):
+                shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            with suppress(FileNotFoundError):
+                tmp.unlink()
 
 
 def directory_bytes(root: Path) -> int:
@@ -252,12 +301,14 @@ def probe_writable(dirpath: Path) -> str:
 
 
 def check_private(directory: Path) -> None:
-    """FleetError unless ``directory`` is a real directory owned by this process's user and writable by nobody else: a
-    checkpoint another local user can write could be replaced by theirs (a planted higher step, changed weights). A
-    missing directory passes (the first save creates it privately)."""
+    """FleetError unless ``directory`` is a real directory owned by this process's user and writable by nobody else, in
+    a tree nobody else can rearrange (:func:`check_ancestors`): a checkpoint another local user can write, or move away
+    and replace, could be replaced by theirs (a planted higher step, changed weights, a link at a temporary name). A
+    missing directory passes when its existing ancestors do (the first save creates it privately)."""
     try:
         info = os.lstat(directory)
     except FileNotFoundError:
+        check_ancestors(directory)
         return
     except OSError as err:
         raise FleetError(f"checkpoint directory {directory} cannot be examined ({err.strerror})") from None
@@ -276,21 +327,91 @@ def check_private(directory: Path) -> None:
             f"checkpoint directory {directory} is writable by {who} (mode {stat.S_IMODE(info.st_mode):o}): another user could "
             f"plant a checkpoint there; run chmod go-w {directory}"
         )
+    check_ancestors(directory)
+
+
+def check_ancestors(directory: Path) -> None:
+    """FleetError unless every existing directory above ``directory`` (of its real path, and every symbolic link on the
+    way to it) belongs to this user or root and is writable by nobody else, or only with the sticky bit (as /tmp): who
+    can write a directory without it can rename what it holds, so another user could move the checkpoint directory away,
+    put one of their own in its place and plant links at the names this job writes."""
+    me, path = os.geteuid(), Path(os.path.abspath(directory))
+    for step in (path, *path.parents):  # the names as given: a link on the way must not be another user's
+        with suppress(OSError):
+            info = os.lstat(step)
+            if stat.S_ISLNK(info.st_mode) and info.st_uid not in (0, me):
+                raise FleetError(f"checkpoint directory {directory} is reached through {step}, a symbolic link of uid "
+                                 f"{info.st_uid}: another user can point it elsewhere; give a path of your own")
+    for parent in Path(os.path.realpath(path)).parents:
+        try:
+            info = os.lstat(parent)
+        except OSError:
+            continue  # not there yet: created by this job (make_private_dir)
+        problem = _foreign_writer(info, me)
+        if problem:
+            raise FleetError(
+                f"checkpoint directory {directory} lies in {parent}, which {problem}: another user could move the checkpoint "
+                f"directory away and put one of their own in its place; use a directory below one only you can write "
+                f"(or run chmod +t {parent})"
+            )
+
+
+def _foreign_writer(info: os.stat_result, me: int) -> str:
+    """Who else than this user (and root) can rename the entries of a directory, in words ('' when nobody can)."""
+    if info.st_uid not in (0, me):
+        return f"belongs to uid {info.st_uid}"
+    mode = stat.S_IMODE(info.st_mode)
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not info.st_mode & stat.S_ISVTX:
+        who = "everyone" if info.st_mode & stat.S_IWOTH else "its group"
+        return f"{who} can write (mode {mode:o}, no sticky bit)"
+    return ""
 
 
 def make_private_dir(directory: Path) -> None:
-    """Create ``directory`` (and its parents) writable by this user only, whatever the umask; then :func:`check_private`."""
-    directory.mkdir(parents=True, exist_ok=True, mode=0o755)
+    """Create ``directory`` and its missing parents with mode :data:`DIR_MODE` whatever the umask (writable by this user
+    only); then :func:`check_private`."""
+    missing, path = [], Path(os.path.abspath(directory))
+    while not os.path.lexists(path):
+        missing.append(path)
+        path = path.parent
+    for folder in reversed(missing):
+        with suppress(FileExistsError):
+            make_dir(folder)
     check_private(directory)
+
+
+def identity(directory: Path) -> tuple[int, int] | None:
+    """(device, inode) of ``directory`` itself (a link is not followed); None when nothing is there. Equal identities:
+    the same directory, not one put in its place."""
+    try:
+        info = os.lstat(directory)
+    except FileNotFoundError:
+        return None
+    return info.st_dev, info.st_ino
+
+
+def still_there(step_dir: Path) -> str:
+    """'' when a checkpoint this job committed is still there (its manifest parses and names this step, every listed
+    file has its size), else what is wrong; no file is hashed (a message that calls a checkpoint intact checks this)."""
+    try:
+        manifest = Manifest.from_json((step_dir / MANIFEST).read_bytes())
+        missing = next((name for name, entry in manifest.files.items() if (step_dir / name).stat().st_size != entry.bytes), None)
+    except FileNotFoundError:
+        return "no longer exists" if not os.path.lexists(step_dir) else "lost files (no manifest, or a listed file is gone)"
+    except (OSError, FleetError) as err:
+        return f"cannot be read ({getattr(err, 'strerror', None) or err})"
+    return f"its file {missing} changed size" if missing else ""
 
 
 def list_derived(step_dir: Path, manifest: Manifest, name: str) -> Manifest:
     """Add the derived form ``step_dir/name`` (complete, fsynced) to the step's manifest: hash its files and replace the
-    manifest atomically. Returns the new manifest; until it is written the form is not listed and never loaded."""
+    manifest atomically. Returns the new manifest; until it is written the form is not listed and never loaded. The
+    temporary manifest is written beside the step dir, not in it: a kill before the rename leaves the checkpoint as it
+    was (it still verifies), and the stray file is removed under the directory's lock (:func:`remove_abandoned`)."""
     table = file_table(step_dir / name)
     files = {**{k: v for k, v in manifest.files.items() if not k.startswith(f"{name}/")}, **{f"{name}/{k}": v for k, v in table.items()}}
     listed = replace(manifest, files=files)
-    write_atomic(step_dir / MANIFEST, listed.to_json())
+    write_atomic(step_dir / MANIFEST, listed.to_json(), scratch=step_dir.parent)
     return listed
 
 

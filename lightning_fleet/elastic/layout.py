@@ -26,14 +26,18 @@ The tree under a ``FleetCheckpoint(dirpath)``::
                 latest_universal          DeepSpeed's pointer to the universal tag (never read: the tag is passed)
                 checkpoint/               per-parameter fp32 weights and optimizer moments
             .tmp-universal/           a conversion in progress (replaced by the next one)
-        .tmp-step-000000015/          a save in progress: never resumed, removed by the next save
+        .tmp-step-000000015/          a save in progress (mode 0700 until sealed): never resumed, removed by the next save
+        .tmp-latest.k3j2x9            a temporary file of an atomic write (here of ``latest``; ``.tmp-manifest.json.*``:
+                                      a step's manifest being rewritten), never inside a step dir; removed under the lock
         set-aside/                    checkpoints moved out of the way (resume='if_compatible'/'never', a step dir newer
                                       than the one just committed, one replaced at the same step): never resumed or pruned
 
 A checkpoint counts only if :func:`verify` accepts it: the step dir is a real directory (not a symbolic link), its
 manifest parses into a :class:`Manifest` whose step is the one the directory is named after, the files below it are
 exactly those the manifest lists (no symbolic link, FIFO or other non-regular file anywhere; nothing unlisted but a
-derived form not yet listed, which is never loaded), and every listed file has its size and sha256.
+derived form not yet listed, which is never loaded), every entry (the step dir, the manifest, every directory and file)
+belongs to the owner of the directory holding the step dir and is writable by nobody else (directories are created
+0755 and files 0644 whatever the umask), and every listed file has its size and sha256.
 """
 
 from __future__ import annotations
@@ -59,6 +63,15 @@ TMP_PREFIX = ".tmp-"
 """A directory being written under its final name with this prefix; renamed into place when complete."""
 ABANDONED_GLOB = f"{TMP_PREFIX}{STEP_PREFIX}*"
 """Glob of temporary step dirs in the checkpoint directory (saves that never committed)."""
+TMP_GLOB = f"{TMP_PREFIX}*"
+"""Glob of everything temporary in the checkpoint directory: step dirs being saved, and the temporary files of an
+atomic write (``latest``, a step's manifest being rewritten: ``.tmp-<name>.<random>``)."""
+DIR_MODE = 0o755
+"""Mode of every directory FleetCheckpoint creates, whatever the umask."""
+FILE_MODE = 0o644
+"""Widest mode of every file of a checkpoint, whatever the umask or the writer (bits beyond it are taken off)."""
+WRITABLE_BY_OTHERS = 0o022
+"""Mode bits that let another user write an entry: :func:`verify` refuses a checkpoint with any entry having one."""
 LOCK = ".fleet-lock"
 """The lock file in a checkpoint directory: the job that owns it (host, pid, run id, heartbeat; elastic/lock.py), as
 JSON padded with spaces to a fixed size."""
@@ -375,8 +388,13 @@ class Verdict:
 def verify(step_dir: Path) -> Verdict:
     """Check a checkpoint directory against its manifest, hashing every listed file once; name the first problem."""
     try:
-        if stat.S_ISLNK(os.lstat(step_dir).st_mode):
+        info = os.lstat(step_dir)
+        if stat.S_ISLNK(info.st_mode):
             return Verdict(step_dir, False, "the checkpoint directory is a symbolic link; only real directories are resumed", None)
+        owner = os.lstat(step_dir.parent).st_uid
+        problem = _foreign(".", info, owner) or _foreign(MANIFEST, _lstat_or_none(step_dir / MANIFEST), owner)
+        if problem:
+            return Verdict(step_dir, False, problem, None)
         text = _read_manifest(step_dir / MANIFEST)
         if text is None:
             return Verdict(step_dir, False, "no manifest (the save did not finish)", None)
@@ -388,7 +406,7 @@ def verify(step_dir: Path) -> Verdict:
     named = step_of(step_dir.name)
     if named is not None and named != manifest.step:
         return Verdict(step_dir, False, f"its manifest records step {manifest.step}, not the step {named} it is named after (a copy or a planted directory)", manifest)
-    problem = _tree_problem(step_dir, manifest)
+    problem = _tree_problem(step_dir, manifest, owner)
     if problem:
         return Verdict(step_dir, False, problem, manifest)
     for name, entry in manifest.files.items():
@@ -396,6 +414,29 @@ def verify(step_dir: Path) -> Verdict:
         if problem:
             return Verdict(step_dir, False, problem, manifest)
     return Verdict(step_dir, True, "", manifest)
+
+
+def _lstat_or_none(path: Path) -> os.stat_result | None:
+    try:
+        return os.lstat(path)
+    except FileNotFoundError:
+        return None
+
+
+def _foreign(name: str, info: os.stat_result | None, owner: int) -> str:
+    """'' when an entry of a checkpoint (``.``: the step dir) can be written by its owner alone and that owner is the
+    checkpoint directory's (``owner``), else why another user could have replaced it."""
+    if info is None:
+        return ""
+    where = "the checkpoint directory" if name == "." else name
+    if info.st_uid != owner:
+        return (f"{where} belongs to uid {info.st_uid}, not to uid {owner} who owns the directory holding it: another user "
+                "could have replaced it")
+    if info.st_mode & WRITABLE_BY_OTHERS:
+        who = "everyone" if info.st_mode & stat.S_IWOTH else "its group"
+        return (f"{where} is writable by {who} (mode {stat.S_IMODE(info.st_mode):o}): another user could have replaced it; "
+                "if it is yours, run chmod -R go-w on the checkpoint")
+    return ""
 
 
 def _read_manifest(path: Path) -> bytes | None:
@@ -416,9 +457,15 @@ def _read_manifest(path: Path) -> bytes | None:
     return data
 
 
-def _tree_problem(step_dir: Path, manifest: Manifest) -> str:
-    """'' when the files below ``step_dir`` are exactly the manifest's (besides the manifest itself, a derived form not
-    yet listed and a conversion in progress), else the first symbolic link, non-regular or unlisted file."""
+_LEGACY_TMP_MANIFEST = re.compile(rf"^\.{re.escape(MANIFEST)}\.tmp\d+$")
+"""The temporary manifest earlier versions of lightning_fleet wrote inside a step dir (``.manifest.json.tmp<pid>``); left by a
+kill while a derived form was being listed, it is never loaded and does not invalidate the checkpoint."""
+
+
+def _tree_problem(step_dir: Path, manifest: Manifest, owner: int) -> str:
+    """'' when the entries below ``step_dir`` are exactly the manifest's files (besides the manifest itself, a derived
+    form not yet listed, a conversion in progress and a stray temporary manifest), each belonging to ``owner`` and
+    writable by nobody else; else the first symbolic link, non-regular, unlisted or foreign entry."""
     skipped = {tmp_name(name) for name in DERIVED} | {name for name in DERIVED if not derived_listed(manifest, name)}
     found: set[str] = set()
     stack = [(step_dir, "")]
@@ -427,10 +474,13 @@ def _tree_problem(step_dir: Path, manifest: Manifest) -> str:
         with os.scandir(directory) as entries:
             for entry in entries:
                 name = prefix + entry.name
-                if not prefix and (entry.name in skipped or entry.name == MANIFEST):
+                if not prefix and (entry.name in skipped or entry.name == MANIFEST or _LEGACY_TMP_MANIFEST.match(entry.name)):
                     continue
                 if entry.is_symlink():
                     return f"{name} is a symbolic link; a checkpoint holds only its own files"
+                problem = _foreign(name, entry.stat(follow_symlinks=False), owner)
+                if problem:
+                    return problem
                 if entry.is_dir(follow_symlinks=False):
                     stack.append((Path(entry.path), name + "/"))
                 elif entry.is_file(follow_symlinks=False):

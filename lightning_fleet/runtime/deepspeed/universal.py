@@ -28,7 +28,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from lightning_fleet.elastic.checkpoint import VerifiedCheckpoint, fsync_path, fsync_tree, list_derived
+from lightning_fleet.elastic.checkpoint import VerifiedCheckpoint, fsync_path, fsync_tree, list_derived, make_dir, seal_tree
 from lightning_fleet.elastic.layout import TAG, UNIVERSAL, UNIVERSAL_LATEST, deepspeed_files, derived_listed, tmp_name, universal_dir
 from lightning_fleet.elastic.safe_load import load_file
 from lightning_fleet.elastic.worker import module_command
@@ -54,6 +54,7 @@ def make_universal(checkpoint: VerifiedCheckpoint, source_zero: int, timeout_s: 
     target, tmp = universal_dir(step), step / tmp_name(UNIVERSAL)
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.rmtree(target, ignore_errors=True)
+    make_dir(tmp, 0o700)  # nobody else enters it while the converter and torch write with the umask's modes
     source, out = deepspeed_files(step), tmp / TAG
     if source_zero == 0:
         _universal_from_zero0(source, out)
@@ -66,6 +67,7 @@ def make_universal(checkpoint: VerifiedCheckpoint, source_zero: int, timeout_s: 
             raise FleetError(f"converting {step} to a universal checkpoint failed: {tail[0]}")
     normalize_universal(out)
     (tmp / UNIVERSAL_LATEST).write_text(TAG)
+    seal_tree(tmp)  # 0755 directories, files 0644 or tighter, whatever the umask: then hashed into the manifest
     fsync_tree(tmp)
     tmp.rename(target)
     fsync_path(step)
