@@ -47,9 +47,9 @@ from lightning_fleet.data import TrainingData, example_batch, inspect_training_l
 from lightning_fleet.decide import Decision, JobOptions, ModuleFacts, Resume, ResumeKind, decide, job_global_batch_size, resume_of  # noqa: E402
 from lightning_fleet.elastic.callback import NON_FINITE_POLICIES, FleetCheckpoint, NonFiniteGuard  # noqa: E402
 from lightning_fleet.elastic.checkpoint import VerifiedCheckpoint  # noqa: E402
-from lightning_fleet.elastic.safe_load import load_file, restricted  # noqa: E402
+from lightning_fleet.elastic.safe_load import load_file  # noqa: E402
 from lightning_fleet.elastic.compatibility import RESUME_POLICIES, JobFacts, checkpoint_to_continue, job_facts  # noqa: E402
-from lightning_fleet.elastic.layout import MANIFEST, rank_file, rank_file_name  # noqa: E402
+from lightning_fleet.elastic.layout import KIND_LIGHTNING, MANIFEST, rank_file, rank_file_name  # noqa: E402
 from lightning_fleet.elastic.sampler import MicroBatches, ShareSchedule  # noqa: E402
 from lightning_fleet.elastic.worker import (  # noqa: E402
     announce_launch_advice,
@@ -791,8 +791,7 @@ class FleetStrategy(DeepSpeedStrategy):
         if self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
             if path.is_dir():
                 return lightning_checkpoint(path)
-            with restricted():
-                return self.checkpoint_io.load_checkpoint(path, weights_only=True)
+            return load_file(path, kind=KIND_LIGHTNING)  # our restricted unpickler, never torch's process-wide one
         resume = self.decision.resume if self.decision is not None else None
         if resume is None or resume.path is None or Path(resume.path) != path:
             return self._load_plain(path)
@@ -819,9 +818,10 @@ class FleetStrategy(DeepSpeedStrategy):
         else:
             checkpoint = VerifiedCheckpoint(path, manifest)
             state = self.backend.load(engine, self.backend.state_of(path), optimizer_states=True, strict=strict, checkpoint=checkpoint)
-            rng = manifest.files.get(rank_file_name(self.global_rank))
+            name = rank_file_name(self.global_rank)
+            rng = manifest.files.get(name)
             if rng is not None:
-                RngState.from_checkpoint(load_file(rank_file(path, self.global_rank), rng)).install()
+                RngState.from_checkpoint(load_file(rank_file(path, self.global_rank), rng, kind=manifest.kinds[name])).install()
             how = "same plan and world"
         self.resumed_from = path
         if self.is_global_zero:

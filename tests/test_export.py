@@ -404,3 +404,41 @@ def test_fused_wrapper_masters_are_split_by_the_recorded_groups():
     assert torch.equal(_wrapper_merge(unfused, groups)["c"], c)
     with pytest.raises(FleetError, match=r"holds no fp32 master weights"):
         _wrapper_merge({"cur_scale": 1.0}, groups)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("plan", ["dp=2,zero=1", "dp=2,zero=3"])
+def test_a_reshard_unpickles_every_file_through_the_restricted_loader(jobs, tmp_path, monkeypatch, plan):
+    """Tripwire (issue 22 item 10): the universal conversion of a real dp=2 checkpoint -- DeepSpeed's ds_to_universal,
+    run here in this process as its converter subprocess runs it, and the normalisation after it -- unpickles nothing
+    with Python's own unpickler (the one torch.load uses without our pickle module): every file goes through
+    safe_load's RestrictedUnpickler. Before the fix the converter's torch.load reached itself (RecursionError)."""
+    import pickle
+
+    from lightning_fleet.elastic.layout import deepspeed_files
+    from lightning_fleet.runtime.deepspeed import convert
+    from lightning_fleet.runtime.deepspeed.universal import normalize_universal
+
+    unsafe: list[str] = []
+
+    class Tripwire(pickle.Unpickler):
+        def __init__(self, file, *args, **kwargs):  # type: ignore[no-untyped-def]
+            unsafe.append(repr(getattr(file, "name", file)))
+            raise AssertionError("an unrestricted unpickler was used")
+
+    monkeypatch.setattr(pickle, "Unpickler", Tripwire)
+    monkeypatch.setattr(pickle, "load", lambda *a, **k: Tripwire(a[0] if a else None))
+    monkeypatch.setattr(pickle, "loads", lambda *a, **k: Tripwire(None))
+    monkeypatch.setattr(torch, "load", torch.load)  # convert.main replaces it: given back after the test
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    restricted: list[str] = []
+    checked = convert.load_file
+    monkeypatch.setattr(convert, "load_file", lambda path, **kw: (restricted.append(str(path)), checked(path, **kw))[1])
+    step = sorted((_run(jobs, 2, plan)[0] / "fleet").glob("step-*"))[-1]
+    out = tmp_path / "universal"
+    assert convert.main(["--input_folder", str(deepspeed_files(step)), "--output_folder", str(out),
+                         "--inject_missing_state", "--num_extract_workers", "1", "--num_merge_workers", "1"]) == 0
+    normalize_universal(out)
+    assert not unsafe, unsafe
+    assert len(restricted) > 2 and any("optim_states" in p for p in restricted)  # ran here, through the loader
+    assert sorted(p.name for p in (out / "zero").iterdir())  # the conversion wrote the parameters' fragments

@@ -93,7 +93,8 @@ def test_manifest_round_trips_and_its_json_is_what_was_always_written():
     old = {"format": 1, "step": 12, "world_size": 2, "plan": PLAN, "global_batch_size": 8, "data_seed": 0,
            "model": {"sha256": "ab" * 32, "tensors": [["w", [4, 2], "float32"], ["step", [], "int64"]]},
            "files": {"rank-00000.pt": {"bytes": 3, "sha256": SHA}, "state/checkpoint/x.pt": {"bytes": 0, "sha256": SHA}}}
-    assert m.to_json() == json.dumps(old, indent=1, sort_keys=True)
+    # ... plus, since issue 22 item 11, what each file must hold (a manifest written before reads as its names say)
+    assert m.to_json() == json.dumps({**old, "kinds": {"rank-00000.pt": "rng", "state/checkpoint/x.pt": "data"}}, indent=1, sort_keys=True)
     assert Manifest.from_json(json.dumps(old, indent=1, sort_keys=True).encode()) == m
 
 

@@ -26,7 +26,7 @@ import torch
 from lightning_fleet.elastic import layout
 from lightning_fleet.elastic.checkpoint import VerifiedCheckpoint, check_private, file_table, list_derived, make_private_dir
 from lightning_fleet.elastic.layout import MANIFEST, FileEntry, Manifest, verify
-from lightning_fleet.elastic.safe_load import load_file, restricted
+from lightning_fleet.elastic.safe_load import load_file
 from lightning_fleet.planning import FleetError
 from tests.test_layout import fake_checkpoint
 
@@ -117,47 +117,40 @@ def test_a_payload_runs_when_loaded_as_deepspeed_does(tmp_path, form):
 
 @pytest.mark.parametrize("form", list(PAYLOADS))
 def test_a_payload_is_refused_by_every_load_and_never_runs(tmp_path, form):
-    """load_file (ours), and torch.load(weights_only=False) inside restricted() (DeepSpeed's and Lightning's loads),
-    refuse each form with one line; the marker is never written."""
-    marker, path = tmp_path / "ran", tmp_path / "payload.pt"
+    """load_file (ours) and DeepSpeed's checkpoint engine as we give it to DeepSpeed refuse each form with one line,
+    as a file of the most permissive kind (model states); the marker is never written."""
+    from lightning_fleet.runtime.deepspeed.checked_engine import checked_engine
+
+    marker, path = tmp_path / "ran", tmp_path / "mp_rank_00_model_states.pt"
     path.write_bytes(PAYLOADS[form](marker))
     with pytest.raises(FleetError) as refused:
         load_file(path)
     assert "\n" not in str(refused.value) and str(path) in str(refused.value)
-    with pytest.raises((FleetError, pickle.UnpicklingError, RuntimeError)):
-        with restricted():
-            torch.load(path, weights_only=False)
+    with pytest.raises(FleetError):
+        checked_engine(None).load(str(path))
     assert not marker.exists()
-    assert os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD") is None  # restored
 
 
-def test_restricted_admits_what_checkpoints_hold_and_restores_the_switch(tmp_path, monkeypatch):
-    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")  # a user's setting: cleared inside, restored after
-    path = tmp_path / "ok.pt"
+def test_what_checkpoints_hold_is_admitted_per_kind(tmp_path):
+    """Model states (Lightning's client state) admit the hyper-parameter values users keep; an RNG file holds only
+    tensors and numbers, so a path there is refused; a file whose name no writer gives a pickle is never unpickled."""
     value = {"w": torch.arange(3.0), "shape": torch.Size([3]), "path": Path("/data"), "kept": {1, 2}}
-    torch.save(value, path)
-    with restricted():
-        loaded = torch.load(path, weights_only=False)
+    states = tmp_path / "mp_rank_00_model_states.pt"
+    torch.save(value, states)
+    loaded = load_file(states)
     assert loaded["path"] == Path("/data") and loaded["kept"] == {1, 2} and torch.equal(loaded["w"], value["w"])
-    assert os.environ["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] == "1" and "TORCH_FORCE_WEIGHTS_ONLY_LOAD" not in os.environ
-
-
-def test_restricted_nests_without_losing_the_allowlist(tmp_path):
-    """Our load_file inside DeepSpeed's load (both restricted): leaving the inner block keeps the outer one's allowlist
-    (torch's safe_globals exit removes every global it added)."""
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-
-    path = tmp_path / "stage.pt"
-    torch.save({"zero_stage": ZeroStageEnum.gradients}, path)
-    with restricted():
-        load_file(path)
-        assert torch.load(path, weights_only=False)["zero_stage"] is ZeroStageEnum.gradients
-        assert os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] == "1"
-    assert "TORCH_FORCE_WEIGHTS_ONLY_LOAD" not in os.environ
+    rng = tmp_path / "rank-00000.pt"
+    torch.save({"w": value["w"], "path": value["path"]}, rng)
+    with pytest.raises(FleetError, match=r"it would import pathlib.PosixPath when loaded, .* a rng file holds only tensors"):
+        load_file(rng)
+    other = tmp_path / "notes.pt"
+    torch.save({"w": torch.ones(1)}, other)
+    with pytest.raises(FleetError, match="its name is not that of a file lightning_fleet or DeepSpeed unpickles"):
+        load_file(other)
 
 
 def test_load_file_reads_once_and_checks_the_manifest_entry(tmp_path):
-    path = tmp_path / "w.pt"
+    path = tmp_path / "rank-00000.pt"
     torch.save({"w": torch.ones(4)}, path)
     entry = layout.entry_of(path)
     assert torch.equal(load_file(path, entry)["w"], torch.ones(4))

@@ -100,7 +100,7 @@ def checkpoint_to_continue(
 def _loadable(checkpoint: VerifiedCheckpoint) -> VerifiedCheckpoint:
     """The checkpoint, once every file of it unpickles with the restricted unpickler (FleetError naming the first that
     does not: then no rank starts loading its part)."""
-    unpickles(checkpoint.path, checkpoint.manifest.files)
+    unpickles(checkpoint.path, checkpoint.manifest.files, checkpoint.manifest.kinds)
     return checkpoint
 
 

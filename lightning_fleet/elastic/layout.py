@@ -154,6 +154,63 @@ MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 """A manifest larger than this is not one FleetCheckpoint wrote (it lists each file in about 150 bytes)."""
 
 
+# --- what each file holds -------------------------------------------------------------------------------------------
+
+KIND_MODEL_STATES = "model-states"
+"""DeepSpeed's model-states file of a rank (``[zero_pp_rank_D_]mp_rank_MM_model_states.pt``): the module's tensors, their
+shapes, DeepSpeed's counters and Lightning's client state (loops, callbacks, hyper-parameters); at ZeRO-0 the
+optimizer's state too."""
+KIND_LAYER_STATES = "layer-states"
+"""One pipeline layer's tensors (``layer_LL-model_MM-model_states.pt``, DeepSpeed's PipelineModule)."""
+KIND_OPTIM_STATES = "optim-states"
+"""One rank's ZeRO (or bf16) optimizer partition (``[bf16_]zero_pp_rank_D_mp_rank_MM_optim_states.pt``): flat fp32
+groups, moments, the loss scaler and the slice mappings."""
+KIND_UNIVERSAL_FRAGMENT = "universal-fragment"
+"""The universal form's file of one parameter (``zero/<name>/{fp32,exp_avg,exp_avg_sq,step}.pt``): a tensor, or
+``{"param": tensor, "cat_dim": int}``, or the step."""
+KIND_UNIVERSAL_OPTIMIZER = "universal-optimizer"
+"""The universal form's ``zero/optimizer_state.pt``: the optimizer's global state (param groups, loss scaler, step)."""
+KIND_RNG = "rng"
+"""A rank's RNG states (``rank-RRRRR.pt``): plain tensors and numbers."""
+KIND_UNSTAGED = "unstaged"
+"""``state/fleet_unstaged.pt``: the module's tensors no pipeline layer holds."""
+KIND_LIGHTNING = "lightning"
+"""A single-file Lightning checkpoint given to validate/test/predict (never part of a FleetCheckpoint step)."""
+KIND_DATA = "data"
+"""A file that is not a pickle (JSON, text, DeepSpeed's ``latest`` and scripts): never unpickled."""
+FILE_KINDS = (KIND_MODEL_STATES, KIND_LAYER_STATES, KIND_OPTIM_STATES, KIND_UNIVERSAL_FRAGMENT, KIND_UNIVERSAL_OPTIMIZER,
+              KIND_RNG, KIND_UNSTAGED, KIND_LIGHTNING, KIND_DATA)
+"""Every kind a file can be; the restricted loader (elastic/safe_load.py) admits and checks per kind."""
+
+_MODEL_STATES = re.compile(r"^(zero_pp_rank_\d+_)?mp_rank_\d+_model_states\.pt$")
+_LAYER_STATES = re.compile(r"^layer_\d+-model(_\d+)?-model_states\.pt$|^layer_\d+-model_states\.pt$")
+_OPTIM_STATES = re.compile(r"^(bf16_)?zero_pp_rank_\d+_mp_rank_\d+_optim_states\.pt$")
+_RNG = re.compile(r"^rank-\d{5}\.pt$")
+_FRAGMENTS = ("fp32.pt", "exp_avg.pt", "exp_avg_sq.pt", "step.pt")
+
+
+def kind_of(name: str) -> str:
+    """What the file at ``name`` (a ``/``-separated path; only its last components count) must hold: one of
+    :data:`FILE_KINDS`, :data:`KIND_DATA` for any name no writer of ours or DeepSpeed's gives a pickle."""
+    parts = PurePosixPath(name).parts
+    base = parts[-1] if parts else ""
+    if _MODEL_STATES.match(base):
+        return KIND_MODEL_STATES
+    if _OPTIM_STATES.match(base):
+        return KIND_OPTIM_STATES
+    if _LAYER_STATES.match(base):
+        return KIND_LAYER_STATES
+    if _RNG.match(base):
+        return KIND_RNG
+    if base == UNSTAGED:
+        return KIND_UNSTAGED
+    if base == "optimizer_state.pt" and parts[-2:-1] == ("zero",):
+        return KIND_UNIVERSAL_OPTIMIZER
+    if base in _FRAGMENTS and len(parts) >= 3 and parts[-3] == "zero":
+        return KIND_UNIVERSAL_FRAGMENT
+    return KIND_DATA
+
+
 def derived_listed(manifest: Manifest, name: str) -> bool:
     """Whether the manifest lists the derived form ``name`` (e.g. :data:`UNIVERSAL`): its files were hashed when it was
     complete, so it may be loaded."""
@@ -224,9 +281,18 @@ class Manifest:
     """The data-order seed; None for checkpoints written before it was recorded (absent from the JSON)."""
     files: Mapping[str, FileEntry] = field(hash=False)
     """Every file of the checkpoint but the manifest, by path relative to the step dir (``/``-separated)."""
+    kinds: Mapping[str, str] = field(default_factory=dict, hash=False)
+    """What each file of :attr:`files` must hold (one of :data:`FILE_KINDS`; the restricted loader admits and checks
+    that): recorded for every file, taken from its name where a manifest written before it was recorded lacks it, and
+    a recorded kind that is not its name's is refused."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "files", dict(self.files))  # a copy: the caller's dict cannot change it
+        recorded = dict(self.kinds)
+        for name, kind in recorded.items():
+            if name in self.files and kind != kind_of(name):
+                raise ManifestError(f"manifest says file {name!r} holds {kind!r}, but its name is that of a {kind_of(name)!r} file")
+        object.__setattr__(self, "kinds", {name: kind_of(name) for name in self.files})  # a file added by replace() too
         if self.format != MANIFEST_FORMAT:
             raise ManifestError(f"manifest has format {self.format!r}; this lightning_fleet reads format {MANIFEST_FORMAT}")
         bounds = (("step", self.step, 0), ("world_size", self.world_size, 1), ("global_batch_size", self.global_batch_size, 1))
@@ -239,7 +305,7 @@ class Manifest:
                 raise ManifestError(f"manifest entry for file {name!r} has bytes={entry.bytes!r}, sha256={entry.sha256!r}")
 
     def to_json(self) -> str:
-        """The manifest file's text (``model`` and ``data_seed`` only when recorded), byte for byte as always written."""
+        """The manifest file's text (``model`` and ``data_seed`` only when recorded), as always written plus ``kinds``."""
         data: dict[str, Any] = {
             "format": self.format,
             "step": self.step,
@@ -247,6 +313,7 @@ class Manifest:
             "plan": self.plan,
             "global_batch_size": self.global_batch_size,
             "files": {name: {"bytes": e.bytes, "sha256": e.sha256} for name, e in self.files.items()},
+            "kinds": dict(self.kinds),
         }
         if self.model is not None:
             data["model"] = self.model.to_json()
@@ -288,11 +355,12 @@ class Manifest:
             model=_model(table["model"]) if "model" in table else None,
             data_seed=_int(table["data_seed"], "data_seed") if "data_seed" in table else None,
             files={name: _file_entry(name, entry) for name, entry in _object(table["files"], "manifest field 'files'").items()},
+            kinds=_kinds(table["kinds"]) if "kinds" in table else {},
         )
 
 
 _REQUIRED = ("step", "world_size", "plan", "global_batch_size", "files")
-_FIELDS = frozenset({"format", *_REQUIRED, "model", "data_seed"})
+_FIELDS = frozenset({"format", *_REQUIRED, "model", "data_seed", "kinds"})
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
@@ -337,6 +405,14 @@ def _file_entry(name: str, entry: Any) -> FileEntry:
     if isinstance(size, bool) or not isinstance(size, int) or not isinstance(digest, str):
         raise ManifestError(f"manifest entry for file {name!r} has bytes={size!r}, sha256={digest!r}")
     return FileEntry(bytes=size, sha256=digest)
+
+
+def _kinds(value: Any) -> dict[str, str]:
+    table = _object(value, "manifest field 'kinds'")
+    for name, kind in table.items():
+        if kind not in FILE_KINDS:
+            raise ManifestError(f"manifest says file {name!r} holds {kind!r}, which is none of {', '.join(FILE_KINDS)}")
+    return table
 
 
 def _model(value: Any) -> ModelFacts:

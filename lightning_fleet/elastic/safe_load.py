@@ -1,150 +1,547 @@
-"""Reading checkpoint files without running code: torch's restricted unpickler with our allowlist, for every load.
+"""Reading checkpoint files without running code: our own restricted unpickler, per load, per file kind, then a check
+of what was built.
 
 A pickle can call any importable function while it is read, so a checkpoint file that somebody else could write is
 code. Nothing here scans pickles for dangerous opcodes (a scanner misses protocol-0 ``INST``, operands fetched from
-the memo, bytes after the first ``STOP``, a pickle with a zip appended, ...): every file is unpickled by torch's
-``weights_only`` unpickler, which builds only tensors, plain containers and numbers and the globals of
-:data:`ALLOWED_GLOBALS`; anything else is refused before it is called.
+the memo, bytes after the first ``STOP``, a pickle with a zip appended, ...): every file is unpickled by
+:class:`RestrictedUnpickler`, which resolves a global only from the allowlist of the file's kind (nothing is imported by
+name), calls only the callables of that allowlist (the tensor rebuilders guarded: plain tensors, no hooks, no
+attributes but the ones DeepSpeed sets), builds only the classes it names with only the attributes they have, and
+fills only lists, dicts and sets. What it built is then checked against what the runtime expects of that kind
+(:func:`check_loaded`: exact types, DeepSpeed's loss scaler with its own fields in their ranges, slice mappings,
+paths whose text is their parts), so attacker-chosen state in admitted types never reaches DeepSpeed.
 
-:func:`restricted` makes that hold for every ``torch.load`` made inside it, including DeepSpeed's and Lightning's
-(which pass ``weights_only=False``): it sets ``TORCH_FORCE_WEIGHTS_ONLY_LOAD``, which torch.load reads at each call
-(torch/serialization.py ``load``), and admits the allowlist with ``torch.serialization.safe_globals``.
+The restriction is a property of each load, not of the process: :func:`load_file` hands torch.load a pickle module
+made for that call (``pickle_module=``, torch/serialization.py ``load``), with that file's allowlist. No environment
+variable and no torch-wide safe-globals list is touched, so loads in other threads, the user's own
+``torch.load(weights_only=False)``, subprocesses the user starts and the user's ``add_safe_globals`` entries are all
+as they were; two of our loads in two threads each keep their own allowlist. The user's safe globals are admitted
+(read, never changed) in the files that hold the user's hyper-parameters (:data:`USER_KINDS`), which is what the
+refusal tells a user who trusts a class to do. What the kinds are, and which file is which, is elastic/layout.py's
+(:func:`~lightning_fleet.elastic.layout.kind_of`; the manifest records each file's kind).
+
 :func:`load_file` reads one file once, checks it against its manifest entry when given one, and unpickles those same
 bytes, so a file swapped between the check and the load is never read. Refusals and damaged files are one
-:class:`~lightning_fleet.planning.FleetError` line; a refused global is marked deterministic (every attempt would read
-the same file, so torchrun does not restart for it).
+:class:`~lightning_fleet.planning.FleetError` line; a refusal is marked deterministic (every attempt would read the
+same file, so torchrun does not restart for it).
 
-Imports torch (and, by name when present, the few DeepSpeed classes its checkpoints hold) and elastic/worker.py's
-error marks; imported by the strategy,
-the DeepSpeed runtime (its checkpoint engine, resharding and offline reader) and ``python -m
-lightning_fleet.runtime.deepspeed.convert``.
+Imports torch (and, by name when present, the few DeepSpeed classes its checkpoints hold), elastic/layout.py and
+elastic/worker.py's error marks; imported by the strategy, the DeepSpeed runtime (its checked engine, resharding and
+offline reader), elastic/compatibility.py and ``python -m lightning_fleet.runtime.deepspeed.convert``.
 """
 
 from __future__ import annotations
 
+import _compat_pickle
+import argparse
 import hashlib
 import importlib
 import io
+import math
 import os
+import pathlib
 import pickle
 import re
-from contextlib import contextmanager
+import tarfile
+from collections import OrderedDict, defaultdict
+from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
+from lightning_fleet.elastic import layout
 from lightning_fleet.elastic.layout import FileEntry
-from lightning_fleet.elastic.worker import deterministic, is_deterministic
+from lightning_fleet.elastic.worker import deterministic
 from lightning_fleet.planning import FleetError
 
-ALLOWED_GLOBALS = (
-    "collections.OrderedDict",
-    "collections.defaultdict",
-    "builtins.set",
-    "builtins.frozenset",
-    "builtins.slice",
-    "torch.Size",
-    "torch.device",
-    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
-    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
-    "deepspeed.runtime.zero.config.ZeroStageEnum",
-    "deepspeed.utils.tensor_fragment.fragment_address",
-    "argparse.Namespace",
-    "pathlib.PosixPath",
-    "pathlib.PurePosixPath",
-)
-"""Globals a checkpoint may hold besides what torch's ``weights_only`` unpickler admits itself (tensors, storages,
-dtypes, plain containers and numbers): the few classes DeepSpeed stores (measured on its ZeRO 0-3, tensor- and
-pipeline-parallel checkpoints) and the standard-library values hyper-parameters commonly hold (LightningCLI paths: a
-path unpickles as ``PosixPath(*parts)``, string parsing only). Each is built by the restricted unpickler; none can
-run a command."""
+_TORCH_LOAD = torch.serialization.load
+"""torch's own load, taken at import: the converter process (runtime/deepspeed/convert.py) replaces ``torch.load`` with a
+function that calls :func:`load_file`, which must then reach torch's, not itself."""
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_SCALERS = ("deepspeed.runtime.fp16.loss_scaler.LossScaler", "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler")
+_ZERO_STAGE = "deepspeed.runtime.zero.config.ZeroStageEnum"
+_FRAGMENT = "deepspeed.utils.tensor_fragment.fragment_address"
+_HYPER = ("argparse.Namespace", "pathlib.PosixPath", "pathlib.PurePosixPath", "builtins.frozenset", "builtins.slice",
+          "collections.defaultdict")
 
-FORCE_WEIGHTS_ONLY = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"
-"""torch's environment switch that turns every ``torch.load`` into ``weights_only=True`` (read at each call)."""
-_FORCE_NO = "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"  # torch refuses both at once: cleared inside restricted()
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")  # torch's weights_only message is coloured
-_REFUSED = re.compile(r"(?:GLOBAL|global) ([\w.]+)")  # how torch's refusal names the global
-_depth = 0  # restricted() blocks entered and not left (only the outermost sets and clears anything)
+USER_KINDS = frozenset({layout.KIND_MODEL_STATES, layout.KIND_LIGHTNING})
+"""Kinds that hold the user's client state (hyper-parameters, callback state): there the globals the user admitted with
+``torch.serialization.add_safe_globals`` are admitted too."""
+
+ALLOWED_GLOBALS: Mapping[str, tuple[str, ...]] = {
+    layout.KIND_MODEL_STATES: ("torch.Size", "torch.device", "builtins.set", *_SCALERS, _ZERO_STAGE, *_HYPER),
+    layout.KIND_LIGHTNING: ("torch.Size", "torch.device", "builtins.set", *_HYPER),
+    layout.KIND_LAYER_STATES: (),
+    layout.KIND_UNSTAGED: (),
+    layout.KIND_OPTIM_STATES: (*_SCALERS, _ZERO_STAGE, _FRAGMENT, "torch._tensor._rebuild_from_type_v2", "torch.Tensor"),
+    layout.KIND_UNIVERSAL_OPTIMIZER: (*_SCALERS, _ZERO_STAGE, _FRAGMENT, "torch._tensor._rebuild_from_type_v2", "torch.Tensor"),
+    layout.KIND_UNIVERSAL_FRAGMENT: (),
+    layout.KIND_RNG: (),
+    layout.KIND_DATA: (),
+}
+"""Per file kind, the globals a file may name besides every kind's tensors (``torch._utils._rebuild_tensor_v2``, the
+storage types, dtypes and ``collections.OrderedDict``): what each kind holds, measured on DeepSpeed 0.19.8's ZeRO 0-3,
+tensor- and pipeline-parallel checkpoints and their universal form (the loss scaler and ZeRO stage in optimizer
+partitions, ``fragment_address`` in their slice mappings, ZeRO-3's flat groups as tensors with a ``ds_id``), and for the
+files holding Lightning's client state the standard-library values hyper-parameters commonly hold (LightningCLI paths,
+namespaces). A :data:`~lightning_fleet.elastic.layout.KIND_DATA` file is never unpickled."""
+
+TENSOR_ATTRIBUTES: Mapping[str, frozenset[str]] = {
+    layout.KIND_OPTIM_STATES: frozenset({"ds_id"}),
+    layout.KIND_UNIVERSAL_OPTIMIZER: frozenset({"ds_id"}),
+}
+"""Per kind, the attributes a tensor may carry (DeepSpeed's ZeRO-3 names its flat groups with a ``ds_id`` string); in
+every other kind a tensor carries none."""
+
+
+class Refused(pickle.UnpicklingError):
+    """What the restricted unpickler or :func:`check_loaded` refused, as the detail of the one line the caller prints."""
+
+
+# --- the per-file policy -----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What one load admits: the kind's globals by dotted name, which of them may be called, built (``NEWOBJ``) and
+    given attributes (``BUILD``, with the names they may set; None: any string name), and the tensor attributes."""
+
+    kind: str
+    """The file kind (:data:`lightning_fleet.elastic.layout.FILE_KINDS`)."""
+    globals: Mapping[str, Any] = field(hash=False)
+    """Dotted name -> the object the unpickler pushes for it."""
+    callables: frozenset[int] = frozenset()
+    """ids of the objects ``REDUCE`` may call."""
+    classes: frozenset[type] = frozenset()
+    """Classes ``NEWOBJ`` may instantiate."""
+    attributes: Mapping[type, frozenset[str] | None] = field(default_factory=dict, hash=False)
+    """Types ``BUILD`` may set attributes on, and the names (None: any identifier)."""
+    user: frozenset[type] = frozenset()
+    """Classes the user admitted (``add_safe_globals``): built as torch's weights_only unpickler builds them."""
+
+
+def _resolve(dotted: str) -> Any:
+    """The object named ``dotted``, or None when the installed packages lack it (no file can then hold it either)."""
+    module_name, _, name = dotted.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError):
+        return None
 
 
 @cache
-def allowed_objects() -> tuple[Any, ...]:
-    """:data:`ALLOWED_GLOBALS` as objects for ``torch.serialization.safe_globals`` (a DeepSpeed class missing from the
-    installed DeepSpeed is left out: no file can then hold it either)."""
-    found = []
-    for dotted in ALLOWED_GLOBALS:
-        module_name, _, name = dotted.rpartition(".")
-        try:
-            found.append(getattr(importlib.import_module(module_name), name))
-        except (ImportError, AttributeError):
+def _dtypes() -> dict[str, torch.dtype]:
+    return {str(value): value for value in vars(torch).values() if isinstance(value, torch.dtype)}
+
+
+def _rebuild_tensor(storage: Any, storage_offset: Any, size: Any, stride: Any, requires_grad: Any, backward_hooks: Any,
+                    metadata: Any = None) -> torch.Tensor:
+    """torch's ``_rebuild_tensor_v2`` for a plain tensor: no backward hooks, boolean flags, integer sizes."""
+    if not isinstance(storage, torch.storage.TypedStorage):
+        raise Refused(f"a tensor is rebuilt from a {type(storage).__name__}, not from a storage of the file")
+    if type(backward_hooks) not in (OrderedDict, dict) or backward_hooks:
+        raise Refused("a tensor carries backward hooks (they would run during training)")
+    if type(requires_grad) is not bool or not _ints(size) or not _ints(stride) or type(storage_offset) is not int:
+        raise Refused("a tensor's size, stride, offset or requires_grad is not what torch.save writes")
+    if metadata is not None and not (type(metadata) is dict and all(type(v) is bool for v in metadata.values())):
+        raise Refused("a tensor's metadata is not torch's flags")
+    return torch._utils._rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad, backward_hooks, metadata)
+
+
+def _ints(values: Any) -> bool:
+    return type(values) in (tuple, list, torch.Size) and all(type(v) is int and v >= 0 for v in values)
+
+
+def _rebuild_from_type(kind: str) -> Callable[..., torch.Tensor]:
+    """torch's ``_rebuild_from_type_v2`` for a plain tensor with the attributes :data:`TENSOR_ATTRIBUTES` allows in
+    ``kind`` (never a Parameter or another subclass, never another attribute)."""
+    allowed = TENSOR_ATTRIBUTES.get(kind, frozenset())
+
+    def rebuild(func: Any, new_type: Any, args: Any, state: Any) -> torch.Tensor:
+        if func is not _rebuild_tensor or new_type is not torch.Tensor:
+            raise Refused(f"a tensor is rebuilt as {getattr(new_type, '__qualname__', type(new_type).__name__)} through "
+                          f"{getattr(func, '__qualname__', type(func).__name__)}; only plain tensors are read")
+        if type(state) is not dict or not all(type(k) is str and type(v) is str for k, v in state.items()) or set(state) - allowed:
+            names = sorted(map(str, state)) if isinstance(state, dict) else type(state).__name__
+            raise Refused(f"a tensor carries attributes {names}; a {kind} file's tensors carry at most {sorted(allowed)}")
+        return torch._tensor._rebuild_from_type_v2(func, new_type, args, state)
+
+    return rebuild
+
+
+def _path_factory(cls: type) -> Callable[..., Any]:
+    """``cls(*parts)`` for string parts only (a path unpickles as its class called with its parts)."""
+    def make(*parts: Any) -> Any:
+        if not all(type(part) is str for part in parts):
+            raise Refused(f"a {cls.__name__} is built from {[type(p).__name__ for p in parts]}, not from strings")
+        return cls(*parts)
+
+    return make
+
+
+@cache
+def _kind_rules(kind: str) -> tuple[dict[str, Any], tuple[Any, ...], frozenset[type], dict[type, frozenset[str] | None]]:
+    """The globals, callables, classes and buildable types of ``kind`` that do not depend on the user (cached)."""
+    table: dict[str, Any] = {"torch._utils._rebuild_tensor_v2": _rebuild_tensor, "collections.OrderedDict": OrderedDict, **_dtypes()}
+    callables: list[Any] = [_rebuild_tensor, OrderedDict]
+    classes: set[type] = set()
+    attributes: dict[type, frozenset[str] | None] = {}
+    if kind in (layout.KIND_MODEL_STATES, layout.KIND_LIGHTNING, layout.KIND_LAYER_STATES, layout.KIND_UNSTAGED):
+        attributes[OrderedDict] = frozenset({"_metadata"})  # a module's state_dict keeps its version metadata there
+    for dotted in ALLOWED_GLOBALS[kind]:
+        value = _resolve(dotted)
+        if value is None:
             continue
-    return tuple(found)
+        if dotted == "torch._tensor._rebuild_from_type_v2":
+            value = _rebuild_from_type(kind)
+        elif dotted in _PATHS:
+            value = _path_factory(value)
+        table[dotted] = value
+        if dotted in _SCALERS:
+            classes.add(value)
+            attributes[value] = _scaler_fields(value)
+        elif dotted == _FRAGMENT:
+            classes.add(value)
+            attributes[value] = frozenset({"numel", "start"})
+        elif dotted == "argparse.Namespace":
+            classes.add(value)
+            attributes[value] = None
+        elif dotted != "torch.Tensor":  # torch.Tensor is only _rebuild_from_type_v2's argument, never called
+            callables.append(value)
+    return table, tuple(callables), frozenset(classes), attributes
 
 
-@contextmanager
-def restricted() -> Iterator[None]:
-    """Every ``torch.load`` inside the block (ours, DeepSpeed's, Lightning's) uses torch's restricted unpickler with
-    :data:`ALLOWED_GLOBALS`, whatever ``weights_only`` it passes; a refused global becomes one FleetError line."""
-    global _depth
-    if _depth:  # nested (our load_file inside DeepSpeed's load): the outer block holds the switch and the allowlist
-        yield
-        return
-    saved = {name: os.environ.pop(name, None) for name in (FORCE_WEIGHTS_ONLY, _FORCE_NO)}
-    os.environ[FORCE_WEIGHTS_ONLY] = "1"
-    _depth += 1
-    try:
-        with torch.serialization.safe_globals(list(allowed_objects())):  # its exit removes them all: enter it once
-            yield
-    except pickle.UnpicklingError as err:
-        raise deterministic(FleetError(refusal("a checkpoint file", err))) from None
-    finally:
-        _depth -= 1
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
+_PATHS = ("pathlib.PosixPath", "pathlib.PurePosixPath")
+
+
+def policy(kind: str) -> Policy:
+    """The :class:`Policy` of a file of ``kind``, with the user's safe globals (read now, never changed) for
+    :data:`USER_KINDS`. :class:`Refused` for a kind that is never unpickled."""
+    if kind not in ALLOWED_GLOBALS or kind == layout.KIND_DATA:
+        raise Refused(f"its name is not that of a file lightning_fleet or DeepSpeed unpickles (kind {kind!r})")
+    table, callables, classes, attributes = _kind_rules(kind)
+    table, extra, user = dict(table), [], set()
+    if kind in USER_KINDS:
+        for entry in torch.serialization.get_safe_globals():
+            obj, name = entry if isinstance(entry, tuple) else (entry, f"{entry.__module__}.{entry.__qualname__}")
+            table.setdefault(name, obj)
+            extra.append(obj)
+            if isinstance(obj, type):
+                user.add(obj)
+    return Policy(kind, table, frozenset(map(id, (*callables, *extra))), classes, attributes, frozenset(user))
+
+
+@cache
+def _scaler_fields(cls: type) -> frozenset[str]:
+    """The attributes DeepSpeed's own constructor gives a loss scaler of ``cls`` (what a saved one must have)."""
+    if cls.__name__ == "DynamicLossScaler":
+        fresh = cls(init_scale=2.0, scale_window=1, min_scale=1.0, delayed_shift=1, consecutive_hysteresis=False)
+    else:
+        fresh = cls(1.0)
+    return frozenset(vars(fresh))
+
+
+# --- the unpickler -----------------------------------------------------------------------------------------------------
+
+
+def _opcode(name: str) -> int:
+    return getattr(pickle, name)[0]
+
+
+class RestrictedUnpickler(pickle._Unpickler):  # the pure-Python unpickler: every opcode's handler can be replaced
+    """Unpickles under one :class:`Policy`: globals from its table only (nothing imported), ``REDUCE``/``NEWOBJ``/``BUILD``
+    only for what it admits, items only into lists, dicts and sets; no extension codes, text persistent ids, ``INST``,
+    ``OBJ`` or out-of-band buffers. torch.load subclasses it (its ``find_class`` maps storage names first, its
+    ``persistent_load`` reads the storages)."""
+
+    policy: Policy  # set on the subclass made for each load (_PickleModule)
+
+    def find_class(self, module: str, name: str) -> Any:
+        if self.proto < 3 and self.fix_imports:  # protocol 2 writes Python 2's names (builtins.set is __builtin__.set)
+            if (module, name) in _compat_pickle.NAME_MAPPING:
+                module, name = _compat_pickle.NAME_MAPPING[(module, name)]
+            elif module in _compat_pickle.IMPORT_MAPPING:
+                module = _compat_pickle.IMPORT_MAPPING[module]
+        dotted = f"{module}.{name}"
+        found = self.policy.globals.get(dotted)
+        if found is None:
+            raise Refused(f"GLOBAL {dotted} is not allowed in a {self.policy.kind} file")
+        return found
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise Refused("a persistent id outside torch's storages")
+
+    def _reduce(self) -> None:
+        args = self.stack.pop()
+        func = self.stack[-1]
+        if id(func) not in self.policy.callables or type(args) is not tuple:
+            raise Refused(f"a call of {_name(func)}, which a {self.policy.kind} file never makes")
+        try:
+            self.stack[-1] = func(*args)
+        except (TypeError, ValueError) as err:  # arguments no writer of ours gives it
+            raise Refused(f"{_name(func)} called with what it does not take ({str(err)[:100]})") from None
+
+    def _newobj(self) -> None:
+        args = self.stack.pop()
+        cls = self.stack.pop()
+        if cls not in self.policy.classes and cls not in self.policy.user:
+            raise Refused(f"an instance of {_name(cls)} built without its constructor, which a {self.policy.kind} file never holds")
+        if args != () and cls not in self.policy.user:
+            raise Refused(f"an instance of {_name(cls)} built with arguments")
+        self.append(cls.__new__(cls, *args))
+
+    def _build(self) -> None:
+        state = self.stack.pop()
+        inst = self.stack[-1]
+        cls = type(inst)
+        if cls in self.policy.user:  # the user trusts the class: as torch's weights_only unpickler builds it
+            setstate = getattr(inst, "__setstate__", None)
+            if setstate is not None:
+                setstate(state)
             else:
-                os.environ[name] = value
+                inst.__dict__.update(state)
+            return
+        if cls not in self.policy.attributes:
+            raise Refused(f"attributes set on a {_name(cls)}, which a {self.policy.kind} file never does")
+        names = self.policy.attributes[cls]
+        if type(state) is not dict or not all(type(k) is str and k.isidentifier() for k in state):
+            raise Refused(f"the state of a {_name(cls)} is not a mapping of attribute names")
+        if names is not None and set(state) - names:
+            raise Refused(f"a {_name(cls)} given attributes {sorted(set(state) - names)}; it has only {sorted(names)}")
+        inst.__dict__.update(state)
+
+    def _container(self, target: Any, kinds: tuple[type, ...], op: str) -> None:
+        if type(target) not in kinds:
+            raise Refused(f"{op} into a {_name(type(target))}")
+
+    def _append(self) -> None:
+        self._container(self.stack[-2], (list,), "APPEND")
+        super().load_append()
+
+    def _appends(self) -> None:
+        self._container(self.metastack[-1][-1], (list,), "APPENDS")
+        super().load_appends()
+
+    def _setitem(self) -> None:
+        self._container(self.stack[-3], (dict, OrderedDict, defaultdict), "SETITEM")
+        super().load_setitem()
+
+    def _setitems(self) -> None:
+        self._container(self.metastack[-1][-1], (dict, OrderedDict, defaultdict), "SETITEMS")
+        super().load_setitems()
+
+    def _additems(self) -> None:
+        self._container(self.metastack[-1][-1], (set,), "ADDITEMS")
+        super().load_additems()
+
+    def _refuse(self) -> None:
+        raise Refused("an opcode torch.save never writes (INST, OBJ, an extension code, a text persistent id or a buffer)")
+
+    dispatch = dict(pickle._Unpickler.dispatch)
+    dispatch[_opcode("REDUCE")] = _reduce
+    dispatch[_opcode("NEWOBJ")] = _newobj
+    dispatch[_opcode("NEWOBJ_EX")] = _refuse
+    dispatch[_opcode("BUILD")] = _build
+    dispatch[_opcode("APPEND")] = _append
+    dispatch[_opcode("APPENDS")] = _appends
+    dispatch[_opcode("SETITEM")] = _setitem
+    dispatch[_opcode("SETITEMS")] = _setitems
+    dispatch[_opcode("ADDITEMS")] = _additems
+    for _name_ in ("INST", "OBJ", "EXT1", "EXT2", "EXT4", "PERSID", "NEXT_BUFFER", "READONLY_BUFFER"):
+        dispatch[_opcode(_name_)] = _refuse
+    del _name_
 
 
-def load_file(path: Path, entry: FileEntry | None = None, *, map_location: Any = "cpu", mmap: bool = False) -> Any:
-    """One checkpoint file, unpickled by the restricted unpickler; with ``entry`` (its manifest record) the bytes read
-    are checked against its size and sha256 first and the same bytes are unpickled. Without one, ``mmap`` maps a
-    torch.save zip (its tensors then read the file until they are dropped: never rewrite it meanwhile). A missing,
-    mismatching, refused or damaged file is one FleetError line."""
+def _name(obj: Any) -> str:
+    if isinstance(obj, type) or callable(obj):
+        return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', type(obj).__name__)}"
+    return type(obj).__name__
+
+
+class _PickleModule:
+    """What ``torch.load(pickle_module=...)`` uses (its ``Unpickler`` and ``load``), made for one load."""
+
+    def __init__(self, rules: Policy) -> None:
+        self.__name__ = f"lightning_fleet_restricted_{rules.kind}"
+        self.Unpickler = type("Unpickler", (RestrictedUnpickler,), {"policy": rules})
+
+    def load(self, file: Any, **kwargs: Any) -> Any:
+        return self.Unpickler(file, **kwargs).load()
+
+
+# --- what was built, against what the runtime expects ------------------------------------------------------------------
+
+_PLAIN = (type(None), bool, int, float, str, bytes)
+
+
+def check_loaded(value: Any, rules: Policy | str) -> Any:
+    """``value`` (what a file of the policy's kind unpickled to), once every object in it is of a type that kind holds,
+    no mapping carries attributes but a state_dict's ``_metadata``, no tensor carries hooks or attributes its kind does
+    not give it, paths read as their parts, and DeepSpeed's loss scalers and slice mappings have their own fields in
+    their ranges; :class:`Refused` naming the first that is not."""
+    rules = policy(rules) if isinstance(rules, str) else rules
+    kind = rules.kind
+    allowed = {dict, list, tuple, set, frozenset, torch.dtype, torch.Tensor, *rules.classes, *rules.user}
+    allowed |= {v for v in rules.globals.values() if isinstance(v, type) and v is not torch.Tensor}
+    allowed |= {_resolve(dotted) for dotted in _PATHS if dotted in rules.globals}
+    attributes = TENSOR_ATTRIBUTES.get(kind, frozenset())
+    seen: set[int] = set()
+    stack: list[tuple[Any, str]] = [(value, "")]
+    while stack:
+        item, where = stack.pop()
+        cls = type(item)
+        if cls in _PLAIN or id(item) in seen:
+            continue
+        seen.add(id(item))
+        if cls not in allowed:
+            raise Refused(f"{where or 'the file'} is a {_name(cls)}, which a {kind} file never holds")
+        if cls in rules.user:
+            continue  # the user vouched for the class
+        if cls is torch.Tensor:
+            extra = set(vars(item)) - attributes
+            if extra or item._backward_hooks:
+                raise Refused(f"tensor {where or '(top)'} carries {sorted(extra) or 'backward hooks'}")
+        elif isinstance(item, pathlib.PurePath):
+            if str(item) != str(cls(*item.parts)):
+                raise Refused(f"path {where or '(top)'} reads {str(item)!r} but is made of {item.parts}")
+        elif cls.__name__ in ("LossScaler", "DynamicLossScaler"):
+            _check_scaler(item, where)
+        elif cls.__name__ == "fragment_address":
+            if set(vars(item)) != {"numel", "start"} or not all(type(v) is int and v >= 0 for v in vars(item).values()):
+                raise Refused(f"slice mapping {where} is {vars(item)}, expected non-negative integers numel and start")
+        elif isinstance(item, dict):
+            _check_mapping(item, where, kind, stack)
+        elif isinstance(item, (list, tuple, set, frozenset)):
+            stack.extend((child, f"{where}[{i}]") for i, child in enumerate(item))
+        elif isinstance(item, argparse.Namespace):
+            stack.extend((child, f"{where}.{name}") for name, child in vars(item).items())
+    return value
+
+
+def _check_mapping(item: dict, where: str, kind: str, stack: list[tuple[Any, str]]) -> None:
+    """A dict's keys are plain, an OrderedDict carries nothing but ``_metadata`` (an attribute shadowing ``keys`` or
+    ``items`` would hide its contents from a strict load), and a ``loss_scaler`` DeepSpeed would adopt is its own class."""
+    own = vars(item) if hasattr(item, "__dict__") else {}
+    if set(own) - {"_metadata"}:
+        raise Refused(f"mapping {where or '(top)'} carries attributes {sorted(own)}, which would shadow its contents")
+    if "_metadata" in own:
+        stack.append((own["_metadata"], f"{where}._metadata"))
+    scaler_here = kind not in USER_KINDS or where.startswith("/optimizer")  # elsewhere it may be a hyper-parameter's name
+    for key, child in item.items():
+        if type(key) not in _PLAIN:
+            raise Refused(f"mapping {where or '(top)'} has a key of type {_name(type(key))}")
+        if scaler_here and key == "loss_scaler" and type(child).__name__ not in ("LossScaler", "DynamicLossScaler"):
+            raise Refused(f"{where}/loss_scaler is a {_name(type(child))}; DeepSpeed's loss scaler must be its LossScaler or DynamicLossScaler")
+        stack.append((child, f"{where}/{key}"))
+
+
+def _finite(low: float, high: float = math.inf, *, above: bool = True) -> Callable[[Any], bool]:
+    return lambda v: type(v) in (int, float) and math.isfinite(v) and (v > low if above else v >= low) and v <= high
+
+
+def _integer(low: int) -> Callable[[Any], bool]:
+    return lambda v: type(v) is int and v >= low
+
+
+_BOOL: Callable[[Any], bool] = lambda v: type(v) is bool  # noqa: E731
+_SCALER_CHECKS: Mapping[str, tuple[Callable[[Any], bool], str]] = {
+    "cur_scale": (_finite(0.0), "a finite number > 0"),
+    "dynamic": (_BOOL, "a boolean"),
+    "cur_iter": (_integer(0), "an integer >= 0"),
+    "last_overflow_iter": (_integer(-1), "an integer >= -1"),
+    "scale_factor": (_finite(1.0), "a finite number > 1"),
+    "scale_window": (_integer(1), "an integer >= 1"),
+    "min_scale": (_finite(0.0), "a finite number > 0"),
+    "delayed_shift": (_integer(1), "an integer >= 1"),
+    "cur_hysteresis": (_integer(1), "an integer >= 1"),
+    "consecutive_hysteresis": (_BOOL, "a boolean"),
+    "raise_error_at_min_scale": (_BOOL, "a boolean"),
+    "dtype": (lambda v: v in (torch.float16, torch.bfloat16, torch.float32), "float16, bfloat16 or float32"),
+}
+"""What each field of DeepSpeed's loss scalers must be (runtime/fp16/loss_scaler.py sets them in its constructors)."""
+
+
+def _check_scaler(scaler: Any, where: str) -> None:
+    """DeepSpeed's loss scaler with exactly its constructor's fields, each in its range (a zero or NaN scale, a dynamic
+    flag that is not its class's, a window of 0 would stop or corrupt training)."""
+    cls, fields = type(scaler), vars(scaler)
+    expected = _scaler_fields(cls)
+    if set(fields) != expected:
+        raise Refused(f"loss scaler {where} has fields {sorted(fields)}; DeepSpeed's {cls.__name__} has {sorted(expected)}")
+    for name, value in fields.items():
+        check, wanted = _SCALER_CHECKS.get(name, (lambda v: type(v) in _PLAIN, "a plain value"))
+        if not check(value):
+            raise Refused(f"loss scaler {where}.{name} is {value!r}, expected {wanted}")
+    if fields.get("dynamic") is not (cls.__name__ == "DynamicLossScaler"):
+        raise Refused(f"loss scaler {where} is a {cls.__name__} with dynamic={fields.get('dynamic')!r}")
+    if "min_scale" in fields and fields["min_scale"] > fields["cur_scale"]:
+        raise Refused(f"loss scaler {where} has cur_scale {fields['cur_scale']!r} below its min_scale {fields['min_scale']!r}")
+    if "cur_hysteresis" in fields and fields["cur_hysteresis"] > fields["delayed_shift"]:
+        raise Refused(f"loss scaler {where} has cur_hysteresis {fields['cur_hysteresis']} above its delayed_shift {fields['delayed_shift']}")
+
+
+# --- loading one file --------------------------------------------------------------------------------------------------
+
+
+def load_file(path: Path, entry: FileEntry | None = None, *, kind: str | None = None, map_location: Any = "cpu",
+              mmap: bool = False) -> Any:
+    """One checkpoint file of ``kind`` (by default the one its name says, :func:`~lightning_fleet.elastic.layout.kind_of`;
+    a manifest's recorded kind when the caller has one), unpickled by :class:`RestrictedUnpickler` and checked by
+    :func:`check_loaded`. With ``entry`` (its manifest record) the bytes read are checked against its size and sha256
+    first and the same bytes are unpickled. Without one, ``mmap`` maps a torch.save zip (its tensors then read the file
+    until they are dropped: never rewrite it meanwhile). A missing, mismatching, refused or damaged file is one
+    FleetError line (deterministic for a refusal)."""
+    kind = layout.kind_of(path.as_posix()) if kind is None else kind
     try:
         if entry is not None:
-            source: Any = io.BytesIO(read_checked(path, entry))
-            mmap = False
+            data = read_checked(path, entry)
+            source: Any = io.BytesIO(data)
+            mmap, head = False, data[:512]
         else:
             if not path.is_file():
                 raise FleetError(f"checkpoint is incomplete: {path} is missing (a save that did not finish, or a partial copy); use another checkpoint")
-            source, mmap = path, mmap and _is_torch_zip(path)
-        with restricted():
-            return torch.load(source, map_location=map_location, weights_only=True, mmap=mmap)
-    except FleetError as err:
-        raise deterministic(FleetError(str(err).replace("a checkpoint file", str(path), 1)), is_deterministic(err)) from None
+            with open(path, "rb") as f:
+                head = f.read(512)
+            source, mmap = path, mmap and head[:4] == b"PK\x03\x04"
+        rules = policy(kind)
+        if _is_tar(head):
+            raise Refused("it is torch's legacy tar format, which no checkpoint of DeepSpeed or lightning_fleet uses")
+        if _forced_weights_only():
+            raise deterministic(FleetError(
+                "TORCH_FORCE_WEIGHTS_ONLY_LOAD is set, which makes torch.load refuse lightning_fleet's own restricted "
+                "unpickler (stricter than weights_only, per file kind): unset it for this job"
+            ))
+        loaded = _TORCH_LOAD(source, map_location=map_location, weights_only=False, pickle_module=_PickleModule(rules), mmap=mmap)
+        return check_loaded(loaded, rules)
+    except FleetError:
+        raise
     except pickle.UnpicklingError as err:
-        raise deterministic(FleetError(refusal(str(path), err))) from None
+        raise deterministic(FleetError(refusal(str(path), err, kind))) from None
     except Exception as err:  # truncated zip, flipped bytes
         raise FleetError(unreadable(path, err)) from None
 
 
-def unpickles(step_dir: Path, files: Iterable[str]) -> None:
-    """FleetError (deterministic for a refused global) unless every ``.pt`` file among ``files`` (paths relative to
-    ``step_dir``) unpickles with the restricted unpickler. Memory-mapped: only the pickles are read, not the tensors'
-    bytes. Run by rank 0 when it chooses a checkpoint, so that a file no rank could load stops the job before any rank
-    loads its own part (each rank's load checks its files again as it reads them)."""
+def _is_tar(head: bytes) -> bool:
+    return len(head) >= 262 and head[257:262] == b"ustar"
+
+
+def _forced_weights_only() -> bool:
+    """Whether the user's environment forces torch.load to weights_only (torch reads it at each call and then refuses
+    any pickle module)."""
+    return os.getenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "0").lower() in ("1", "y", "yes", "true")
+
+
+def unpickles(step_dir: Path, files: Iterable[str], kinds: Mapping[str, str] | None = None) -> None:
+    """FleetError (deterministic for a refusal) unless every ``.pt`` file among ``files`` (paths relative to
+    ``step_dir``; ``kinds``: the manifest's record of what each holds) unpickles and checks as its kind. Memory-mapped:
+    only the pickles are read, not the tensors' bytes. Run by rank 0 when it chooses a checkpoint, so that a file no
+    rank could load stops the job before any rank loads its own part (each rank's load checks its files again as it
+    reads them)."""
     for name in sorted(files):
         if name.endswith(".pt"):
-            load_file(step_dir / name, mmap=True)
-
-
-def _is_torch_zip(path: Path) -> bool:
-    """Whether the file starts as torch.save's zip archive does (torch.load decides by the start, not by the end)."""
-    with open(path, "rb") as f:
-        return f.read(4) == b"PK\x03\x04"
+            load_file(step_dir / name, kind=(kinds or {}).get(name), mmap=True)
 
 
 def read_checked(path: Path, entry: FileEntry) -> bytes:
@@ -162,22 +559,26 @@ def read_checked(path: Path, entry: FileEntry) -> bytes:
     return data
 
 
-def refusal(what: str, err: Exception) -> str:
-    """One line for a file the restricted unpickler refused: the global it would have imported, and what to do."""
-    text = _ANSI.sub("", str(err))
-    found = _REFUSED.findall(text)
+_REFUSED_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")
+
+
+def refusal(what: str, err: Exception, kind: str = layout.KIND_LIGHTNING) -> str:
+    """One line for a file the restricted unpickler (or the check after it) refused: the global it would have imported
+    or what it holds that its kind never does, and what to do."""
+    text = _ANSI.sub("", str(err)).strip().splitlines()
+    detail = text[0][:300] if text else type(err).__name__
+    found = _REFUSED_GLOBAL.findall(detail)
     if not found:
-        detail = text.partition("WeightsUnpickler error:")[2].strip().splitlines()
-        reason = detail[0][:200] if detail else "not a pickle"
-        return f"cannot read {what}: its pickle holds what the restricted unpickler refuses ({reason}; nothing of it ran): it is damaged or was not written by torch.save"
+        return (f"cannot read {what}: it holds what a {kind} file never does ({detail}; nothing of it was used): it is "
+                "damaged, or was not written by DeepSpeed or lightning_fleet; use another checkpoint")
     name = found[0]
-    return (
-        f"cannot read {what}: it would import {name} when loaded, which the restricted unpickler refuses (it could run "
-        "code; nothing of it ran): "
+    hint = (
         "keep hyper-parameters to plain types (str, int, float, bool, None, lists, dicts: str(path), enum.value) or leave "
         f"them out with save_hyperparameters(ignore=[...]); if you trust this file and the class, call "
         f"torch.serialization.add_safe_globals([{name.rpartition('.')[2]}]) before fitting"
-    )
+    ) if kind in USER_KINDS else f"a {kind} file holds only tensors and DeepSpeed's own values; use another checkpoint"
+    return (f"cannot read {what}: it would import {name} when loaded, which the restricted unpickler refuses (it could run "
+            f"code; nothing of it ran): {hint}")
 
 
 def unreadable(path: Path | str, err: Exception) -> str:
