@@ -16,7 +16,9 @@ malformed answer is a FleetError naming the hook and the shape it must return.
     query/key/value weight or a layer that is not an ``nn.Linear`` cannot be split).
 ``fleet_pipeline()``
     ``{"layers": [nn.Module, ...], "loss_fn": fn(last_output, labels)}``: the forward pass as a sequence (each layer
-    takes the previous one's output) and the loss; a training batch is then ``(inputs, labels)``.
+    takes the previous one's output alone: :data:`PIPELINE_SHAPE`) and the loss; a training batch is then
+    ``(inputs, labels)``. The layers of the layer stack (or adapters holding them) follow each other in it
+    (:func:`stack_problem`).
 
 :func:`module_hooks` sums them up as a :class:`~lightning_fleet.runtime.base.ModuleHooks` value, which a runtime's
 capabilities read. Imports torch, :mod:`lightning_fleet.planning` and :mod:`lightning_fleet.runtime.base` only;
@@ -43,6 +45,12 @@ def find_layers(module: nn.Module) -> nn.ModuleList | nn.Sequential | None:
         if not isinstance(layers, (nn.ModuleList, nn.Sequential)) or len(layers) == 0:
             raise FleetError(f"{type(module).__name__}.fleet_layers() must return a non-empty nn.ModuleList or nn.Sequential")
         return layers
+    return discovered_layers(module)
+
+
+def discovered_layers(module: nn.Module) -> nn.ModuleList | nn.Sequential | None:
+    """The layer stack found without the hook: the largest (by parameters) ModuleList or Sequential anywhere in the
+    module whose children all have one type (a parent before its nested stacks), or None."""
     stacks = [m for m in module.modules() if isinstance(m, (nn.ModuleList, nn.Sequential)) and _repeats_one_type(m)]
     sized = [(sum(p.numel() for p in m.parameters()), m) for m in stacks]
     best = max(sized, key=lambda pair: pair[0], default=(0, None))
@@ -187,18 +195,66 @@ def pipeline_hook(module: nn.Module) -> dict[str, Any] | None:
     return {"layers": list(layers), "loss_fn": loss_fn}
 
 
-def module_hooks(module: nn.Module, sparse_params: tuple[str, ...] = ()) -> ModuleHooks:
+PIPELINE_SHAPE = (
+    "each layer is called as layer(x) with the previous layer's output alone (the first with the batch's inputs; batches "
+    "are (inputs, labels)) and returns a tensor or a tuple of tensors: wrap a layer that needs more (rotary embeddings, "
+    "an attention mask, keyword arguments) or returns a model output in a small nn.Module that computes them from x "
+    "(README: 'Pipelines on a Hugging Face model', class DecoderStage)"
+)
+"""What fleet_pipeline()'s layers must look like, as every message about them says it."""
+
+
+def stack_positions(layers: list[nn.Module], layer_type: str) -> list[int]:
+    """Where in fleet_pipeline()'s ``layers`` the layer stack is: the layers that are, or hold (an adapter), a module of
+    class ``layer_type`` (the stack's class, which the plan's stages split)."""
+    return [i for i, layer in enumerate(layers) if any(type(m).__name__ == layer_type for m in layer.modules())]
+
+
+def stack_problem(layers: list[nn.Module], layer_type: str) -> str:
+    """Why the stack's layers cannot be split into stages ('' when they can): none of them there, or not one run."""
+    stack = stack_positions(layers, layer_type)
+    if stack and stack == list(range(stack[0], stack[-1] + 1)):
+        return ""
+    kinds = _kinds(layers)
+    if not stack:
+        return (
+            f"none of its {len(layers)} layers ({kinds}) is or holds a {layer_type}, the class of the layer stack "
+            "(fleet_layers(), or the largest ModuleList of one type in the module) that the plan splits into stages: "
+            "put the stack's layers, or adapters holding them, in order between what runs before and after them"
+        )
+    return (
+        f"its layers that are or hold a {layer_type} (positions {', '.join(map(str, stack))} of {len(layers)}: {kinds}) "
+        "must follow each other: put what runs between them inside them"
+    )
+
+
+def _kinds(layers: list[nn.Module]) -> str:
+    """'Embedding, DecoderStage x4, LlamaRMSNorm, Linear': the classes of ``layers`` in order, runs counted."""
+    runs: list[list[Any]] = []
+    for layer in layers:
+        name = type(layer).__name__
+        if runs and runs[-1][0] == name:
+            runs[-1][1] += 1
+        else:
+            runs.append([name, 1])
+    return ", ".join(name if n == 1 else f"{name} x{n}" for name, n in runs)
+
+
+def module_hooks(module: nn.Module, *, sparse_params: tuple[str, ...] = (), pipeline_problem: str = "") -> ModuleHooks:
     """What ``module`` offers a runtime (each hook called once and validated), with the parameters profiling found to
     get sparse gradients (:attr:`lightning_fleet.profiling.Profile.sparse_params`). A plain ``nn.Module`` has no
-    optimization loop of its own: it counts as automatically optimized."""
+    optimization loop of its own: it counts as automatically optimized. ``pipeline_problem`` is why its
+    ``fleet_pipeline()`` cannot run as a pipeline (the profiler's dry run on the example batch); the pipeline is off
+    then."""
     layers = find_layers(module) is not None
     tensor_parallel = _tensor_parallel_answer(module)
     return ModuleHooks(
         name=type(module).__name__,
         tensor_parallel=tensor_parallel is not None,
-        pipeline=pipeline_hook(module) is not None and layers,
+        pipeline=pipeline_hook(module) is not None and layers and not pipeline_problem,
         layers=layers,
         automatic_optimization=bool(getattr(module, "automatic_optimization", True)),
         tp_limits=() if tensor_parallel is None else _limits(module, tensor_parallel),
         sparse_params=sparse_params,
+        pipeline_problem=pipeline_problem,
     )

@@ -535,7 +535,7 @@ def profile_offline(request: ModuleRequest, *, world_size: int) -> OfflineModule
     gbs, gbs_source = _global_batch(request, config, samples, world_size)
     with _user_output():
         measured = profile(module, batch, global_batch_size=gbs, precision=precision, name=cls.__name__)
-        hooks = module_hooks(module, measured.sparse_params)
+        hooks = module_hooks(module, sparse_params=measured.sparse_params, pipeline_problem=measured.pipeline_problem)
     forward_only = not callable(getattr(module, "training_step", None))
     lines = (
         f"module   {class_path}: {cls.__qualname__}({_short_args(args)}) built "

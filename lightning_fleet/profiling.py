@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import inspect
 import math
 import re
@@ -69,7 +70,15 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.flop_counter import FlopCounterMode, flop_registry, sdpa_flop_count
 
 from lightning_fleet import rng
-from lightning_fleet.hooks import attention_shape, find_layers, tensor_parallel_hook
+from lightning_fleet.hooks import (
+    PIPELINE_SHAPE,
+    attention_shape,
+    discovered_layers,
+    find_layers,
+    pipeline_hook,
+    stack_problem,
+    tensor_parallel_hook,
+)
 from lightning_fleet.planning import BlockSpec, FleetError, ModelSpec, Precision, Role
 from lightning_fleet.planning.model import (
     CAUSAL_ATTENTION_SHARE,
@@ -127,6 +136,9 @@ class Profile:
     sparse_params: tuple[str, ...] = ()
     """Names of the trainable parameters whose gradients are sparse (looked up with ``sparse=True``): a runtime must run
     them (:attr:`~lightning_fleet.runtime.base.ModuleHooks.sparse_params`)."""
+    pipeline_problem: str = ""
+    """Why ``fleet_pipeline()``'s layers cannot run as a pipeline (:func:`pipeline_problem`); '' when they can or the
+    module has no such hook. The report says it too."""
 
     def report_lines(self) -> list[str]:
         """The lines a start-up report prints: the method (and why a better one failed), then the notes."""
@@ -543,6 +555,8 @@ def _check_no_parameter_write(func: Any, args: tuple, kwargs: dict, guarded: set
             raise _ParameterWrite(f"training_step writes into a parameter in place ({func})")
 
 
+_LINEAR_GEMMS = {aten.mm: 0, aten.addmm: 1}
+"""The 2-d matmuls a Linear layer dispatches, and where their [M x K] @ [K x N] operands start in the arguments."""
 _NO_DATA_MOVED = (aten._unsafe_view, aten.alias, aten.lift_fresh)
 """Operators that return their input's storage (aliases not marked as views)."""
 
@@ -574,6 +588,9 @@ class _OpCounter(TorchDispatchMode):
         packet = func.overloadpacket
         if packet in _SPARSE_LOOKUPS and _arg(func, args, kwargs, "sparse"):
             self.recorder.sparse_lookup(_arg(func, args, kwargs, "weight"), _arg(func, args, kwargs, "indices"))
+        if packet in _LINEAR_GEMMS:
+            a, b = args[_LINEAR_GEMMS[packet] : _LINEAR_GEMMS[packet] + 2]
+            self.recorder.add_gemm(a.shape[0], a.shape[1], b.shape[1])
         if packet not in flop_registry and packet is not _CPU_ATTENTION and not func.is_view and packet not in _NO_DATA_MOVED:
             elements = sum(t.numel() for t in _tensors(out) if t.is_floating_point())
             if elements and inputs:
@@ -948,7 +965,13 @@ class _Recorder:
     def __init__(
         self, layers: list[nn.Module], counter: FlopCounterMode, param_storages: set[int], buffer_storages: set[int], scale: float
     ) -> None:
-        self.layers = {id(layer): i for i, layer in enumerate(layers)}
+        self.positions: dict[int, list[int]] = {}  # id(layer object) -> its positions in the stack (one object may repeat)
+        for i, layer in enumerate(layers):
+            self.positions.setdefault(id(layer), []).append(i)
+        self.calls: Counter[int] = Counter()  # entries into each layer object so far
+        self.active: list[tuple[int, str]] = []  # (layer object, phase) of the layer entries running now, innermost last
+        self.ran: set[int] = set()  # positions that ran something
+        self.entered: set[int] = set()  # layer objects whose own forward ran
         self.counter = counter
         self.param_storages = param_storages
         self.state_storages = param_storages | buffer_storages  # module state: saving a reference to it costs nothing
@@ -960,6 +983,7 @@ class _Recorder:
         self.kept: list[torch.Tensor] = []  # saved tensors stay alive until the end, so no storage id is reused
         self.hidden = 0
         self.tokens = 0  # first layer output's elements over its last dimension (samples x tokens per sample)
+        self.gemms: Counter[tuple[int, int, int]] = Counter()  # volume of the 2-d matmuls run, by (m, k, n)
         self.batchnorm = False
         self.sparse: dict[int, tuple[int, int]] = {}  # parameter storage -> (rows looked up, elements of a row)
 
@@ -975,22 +999,54 @@ class _Recorder:
         self._phase().flops += total - self.mark
         self.mark, self.current = total, name
 
-    def layer_pre(self, module: nn.Module, args: Any) -> None:
-        self._switch(f"layer{self.layers[id(module)]}")
+    def layer_pre(self, owner: int, module: nn.Module, args: Any) -> None:
+        """A module of layer object ``owner`` (the object itself or a module only it holds) starts: inside a running entry
+        of the same object nothing changes, else the object's next position (in turn, when it repeats) becomes the
+        phase."""
+        if id(module) == owner:
+            self.entered.add(owner)
+        if self.active and self.active[-1][0] == owner:
+            self.active.append(self.active[-1])
+            return
+        positions = self.positions[owner]
+        position = positions[self.calls[owner] % len(positions)]
+        self.calls[owner] += 1
+        self.ran.add(position)
+        self.active.append((owner, f"layer{position}"))
+        self._switch(f"layer{position}")
 
-    def layer_post(self, module: nn.Module, args: Any, output: Any) -> None:
+    def layer_post(self, owner: int, module: nn.Module, args: Any, output: Any) -> None:
+        """That module ends: leaving the layer's outermost entry records its output and returns to the enclosing layer
+        (a layer object run inside another), else to ``post``."""
+        entry = self.active.pop()
+        if self.active and self.active[-1] == entry:
+            return
         out = output[0] if isinstance(output, (tuple, list)) else output
         if isinstance(out, torch.Tensor):
             self._phase().output_bytes = out.numel() * out.element_size() * self._scale(out)
             if out.dim() >= 2 and not self.hidden:
                 self.hidden, self.tokens = out.shape[-1], out.numel() // max(1, out.shape[-1])
-        self._switch("post")
+        self._switch(self.active[-1][1] if self.active else "post")
 
     def batchnorm_pre(self, module: nn.Module, args: Any) -> None:
         self.batchnorm = self.batchnorm or _normalises_over_the_batch(module)
 
     def add_elementwise(self, elements: int) -> None:
         self._phase().elementwise += elements
+
+    def add_gemm(self, m: int, k: int, n: int) -> None:
+        """A [m x k] @ [k x n] matmul ran (its volume counted under its shape)."""
+        self.gemms[(m, k, n)] += m * k * n
+
+    def width_and_tokens(self) -> tuple[int, int]:
+        """(width of the residual stream, samples x tokens): the first layer output's last dimension and the elements
+        over it; when no layer ran, the matmul that ran the most volume, [tokens x h] @ [h x h] with h^2 = k * n (the
+        GEMM the cost model's efficiency curve is sized by, time.gemm_dim), so that a module without a layer stack is
+        priced at the GEMM sizes it runs, not at 1 x 1; (0, 0) when neither ran."""
+        if self.hidden or not self.gemms:
+            return self.hidden, self.tokens
+        (m, k, n), _ = max(self.gemms.items(), key=lambda item: item[1])
+        return max(1, round(math.sqrt(k * n))), m
 
     def add_attention(self, flops: float, kernel_flops: float) -> None:
         """A fused attention call: ``flops`` of the phase's counted FLOPs are its, ``kernel_flops`` what it executes."""
@@ -1078,6 +1134,7 @@ class _Measured:
     math_attention: Counter[str]  # calls that ran the math path, by reason
     device_attention: Counter[str]  # calls on real tensors, by device type
     sparse_params: tuple[str, ...] = ()  # parameters whose gradients are sparse
+    layer_note: str = ""  # what the report says about the layer stack ('' when its layer objects ran as given)
 
 
 def _measure(
@@ -1098,23 +1155,85 @@ def _measure(
         _check_real_budget(module, batch, total)
     clone, _ = _isolated_copy(module, on_meta)
     try:
-        container = find_layers(clone)
-        layers = list(container) if container is not None else []
         params = list(clone.parameters())
         if on_meta:
             samples, run_batch = total, _meta_like(batch)
         else:
             samples = min(REAL_SAMPLES, total)
             run_batch = _slice(batch, 0, samples, total, params[0].device if params else torch.device("cpu"))
-        recorder, ops, fixups, attention = _record(clone, layers, run_batch, on_meta, precision, attention_kernel)
+        layers, recorded, note = _stack_that_runs(clone, run_batch, on_meta, precision, attention_kernel)
+        recorder, ops, fixups, attention = recorded
         spec = _to_model_spec(clone, layers, recorder, tensor_parallel_hook(clone), samples, global_batch_size, precision, name)
         spec = dataclasses.replace(spec, forward_ops=ops, param_tensors=sum(1 for p in params if p.requires_grad))
         return _Measured(
             spec, samples, fixups.assumed, fixups.bounded, recorder.batchnorm, attention.fused, attention.math, attention.device,
             _sparse_names(clone, recorder.sparse),
+            note,
         )
     finally:
         _dismantle(clone)
+
+
+def _stack_that_runs(
+    clone: nn.Module, batch: Any, on_meta: bool, precision: Precision, attention_kernel: AttentionKernel
+) -> tuple[list[nn.Module], tuple[_Recorder, int, _MetaFixups, _FusedAttention], str]:
+    """The layer stack priced, the step's recording with it, and the report's line about it ('' when the layer objects
+    ran as given). Every position of the stack must run something of its own during the step (the layer object, or a
+    module only it holds: :func:`_layer_entries`); otherwise its per-layer costs would be wrong (a position priced at 0
+    and its work counted in a neighbour or the ends), so the step is priced with the stack found without the hook
+    (:func:`~lightning_fleet.hooks.discovered_layers`) when every position of that one runs, else as one layer (the
+    measured total: no recomputation, no pipeline stages)."""
+    container = find_layers(clone)
+    stack = list(container) if container is not None else []
+    recorded = _record(clone, stack, batch, on_meta, precision, attention_kernel)
+    idle = sorted(set(range(len(stack))) - recorded[0].ran)
+    if not idle:
+        return stack, recorded, _wrapped_note(clone, stack, recorded[0])
+    found = discovered_layers(clone)
+    found_stack = list(found) if found is not None and found is not container else []
+    if found_stack:
+        retried = _record(clone, found_stack, batch, on_meta, precision, attention_kernel)
+        if retried[0].ran == set(range(len(found_stack))):
+            return found_stack, retried, _idle_note(clone, stack, idle, f"priced with {_stack_words(clone, found_stack)} instead")
+    whole = _record(clone, [], batch, on_meta, precision, attention_kernel)
+    return [], whole, _idle_note(clone, stack, idle, "priced as one layer (the step's measured total)")
+
+
+def _stack_words(root: nn.Module, stack: list[nn.Module]) -> str:
+    """'blocks (6 x Block)': where a stack is in the module and what it holds."""
+    names = {id(m): n for n, m in root.named_modules()}
+    types = Counter(type(layer).__name__ for layer in stack)
+    held = ", ".join(f"{n} x {t}" for t, n in types.items())
+    place = names.get(id(stack[0]), "").rpartition(".")[0] if stack else ""
+    return f"{place or 'the stack found without the hook'} ({held})"
+
+
+def _idle_note(root: nn.Module, stack: list[nn.Module], idle: list[int], priced: str) -> str:
+    """The report's line when positions of the stack ran nothing of their own during the step."""
+    source = f"{type(root).__name__}.fleet_layers()" if callable(getattr(root, "fleet_layers", None)) else "the layer stack"
+    kinds = ", ".join(sorted({type(stack[i]).__name__ for i in idle}))
+    shown = ", ".join(map(str, idle[:8])) + (", ..." if len(idle) > 8 else "")
+    return (
+        f"layer stack: {len(idle)} of the {len(stack)} layer objects {source} returns ({kinds}; position(s) {shown}) ran "
+        "nothing of their own during training_step (neither they nor a module only they hold), so their per-layer costs "
+        f"cannot be measured: {priced}; return the modules the forward calls (e.g. self.blocks), or wrappers that "
+        "the forward calls, from fleet_layers()"
+    )
+
+
+def _wrapped_note(root: nn.Module, stack: list[nn.Module], recorder: _Recorder) -> str:
+    """The report's line when layer objects never ran themselves and were priced by the modules they hold that ran."""
+    objects = list({id(layer): layer for layer in stack}.values())
+    passed = [layer for layer in objects if id(layer) not in recorder.entered]
+    if not passed:
+        return ""
+    kinds = ", ".join(sorted({type(layer).__name__ for layer in passed}))
+    return (
+        f"layer stack: {len(passed)} of the {len(objects)} layer objects fleet_layers() returns ({kinds}) never run "
+        "themselves during training_step: each is "
+        "priced by what runs of the modules only it holds; full recomputation and pipeline stages act on the objects "
+        "fleet_layers() returns, so return the modules the forward calls (e.g. self.blocks) to use them"
+    )
 
 
 def _check_real_budget(module: nn.Module, batch: Any, total: int) -> None:
@@ -1140,9 +1259,9 @@ def _record(
         if on_meta:
             stack.enter_context(torch.device("meta"))
         attention = stack.enter_context(_FusedAttention(recorder, precision, attention_kernel))
-        for layer in layers:
-            stack.callback(layer.register_forward_pre_hook(recorder.layer_pre).remove)
-            stack.callback(layer.register_forward_hook(recorder.layer_post).remove)
+        for module, owner in _layer_entries(clone, layers):
+            stack.callback(module.register_forward_pre_hook(functools.partial(recorder.layer_pre, owner)).remove)
+            stack.callback(module.register_forward_hook(functools.partial(recorder.layer_post, owner), always_call=True).remove)
         for m in clone.modules():
             if isinstance(m, nn.modules.batchnorm._BatchNorm):
                 stack.callback(m.register_forward_pre_hook(recorder.batchnorm_pre).remove)
@@ -1151,6 +1270,26 @@ def _record(
         _run_step(clone, batch)
         recorder.finish()
     return recorder, ops.ops, fixups, attention
+
+
+def _layer_entries(root: nn.Module, layers: list[nn.Module]) -> list[tuple[nn.Module, int]]:
+    """(module, id of its layer object) for every module whose run is a layer's: each layer object, and each module that
+    only one layer object holds (not the root): so a layer object that never runs itself (a wrapper the forward passes
+    by, built on the fly or holding its block next to other things) is priced by what runs of what it holds, and a
+    module several layer objects hold (a shared rotary table, the head, the whole model) by where it runs."""
+    objects = list({id(layer): layer for layer in layers}.values())
+    holders: dict[int, set[int]] = {}
+    modules: dict[int, nn.Module] = {}
+    for layer in objects:
+        for m in layer.modules():
+            holders.setdefault(id(m), set()).add(id(layer))
+            modules[id(m)] = m
+    entries = [(layer, id(layer)) for layer in objects]
+    is_layer = {id(layer) for layer in objects}
+    for key, owners in holders.items():
+        if len(owners) == 1 and key not in is_layer and modules[key] is not root:
+            entries.append((modules[key], next(iter(owners))))
+    return entries
 
 
 # --- building the spec ---------------------------------------------------------------------------------
@@ -1265,15 +1404,36 @@ def _split_ends(rest: list[torch.Tensor], pre: _Phase, post: _Phase) -> tuple[li
     return first, last
 
 
-def _layer_params(layers: list[nn.Module]) -> list[list[torch.Tensor]]:
-    """Each layer's parameters, a parameter shared by several layers counted in the first only."""
+def _layer_params(layers: list[nn.Module], phases: Mapping[str, _Phase] | None = None) -> list[list[torch.Tensor]]:
+    """Each layer's parameters, a parameter several layers hold counted once: in the first layer whose run read it
+    (``phases``, measured), else in none when only the parts outside the stack read it (a head a wrapper holds next to
+    its block: it goes to the ends, :func:`_split_ends`), else (never read, or not measured) in the first holding it."""
+    read = {i: phases[f"layer{i}"].storages for i in range(len(layers)) if f"layer{i}" in phases} if phases else {}
+    outside = (phases["pre"].storages | phases["post"].storages) if phases else set()
+    holders: dict[int, list[int]] = {}
+    for i, layer in enumerate(layers):
+        for p in layer.parameters():
+            holders.setdefault(id(p), []).append(i)
+    out: list[list[torch.Tensor]] = [[] for _ in layers]
     seen: set[int] = set()
-    out = []
-    for layer in layers:
-        own = [p for p in layer.parameters() if id(p) not in seen]
-        seen |= {id(p) for p in own}
-        out.append(own)
+    for i, layer in enumerate(layers):
+        for p in layer.parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            storage = _storage_id(p)
+            readers = [j for j in holders[id(p)] if storage in read.get(j, ())]
+            if readers:
+                out[readers[0]].append(p)
+            elif storage not in outside:
+                out[i].append(p)
     return out
+
+
+def _layer_name(layer: nn.Module, names: Mapping[int, str], position: int) -> str:
+    """A layer's name in the module: its own, else (a wrapper the module does not hold) that of the first module it
+    holds that the module does, else its position."""
+    return next((names[id(m)] for m in layer.modules() if names.get(id(m))), f"layer{position}")
 
 
 def _to_model_spec(
@@ -1287,6 +1447,7 @@ def _to_model_spec(
     name: str,
 ) -> ModelSpec:
     phases, hidden = recorder.phases, recorder.hidden
+    width, tokens = recorder.width_and_tokens()
     pre, post = phases.pop("pre"), phases.pop("post")
     names = {id(m): n for n, m in module.named_modules()}
     if not layers:  # no layer stack: the whole model is one layer (no pipeline, no recomputation)
@@ -1301,12 +1462,13 @@ def _to_model_spec(
         pre, post = _Phase(), _Phase()
     else:
         body = []
-        per_layer = _layer_params(layers)
+        per_layer = _layer_params(layers, {**phases, "pre": pre, "post": post})
         for i, (layer, own) in enumerate(zip(layers, per_layer)):
             prefix = names.get(id(layer), f"layer{i}")
             phase = phases.get(f"layer{i}", _Phase())
-            counts = _tp_counts(layer, prefix, tp[1] if tp else None)
-            body.append(_block(prefix, Role.LAYER, phase, own, hidden, samples, counts, sparse=recorder.sparse))
+            tp_counts = _tp_counts(layer, prefix, tp[1] if tp else None)
+            body.append(_block(_layer_name(layer, names, i), Role.LAYER, phase, own, hidden, samples, tp_counts,
+                               sparse=recorder.sparse))
         in_layers = {id(p) for own in per_layer for p in own}
         first, last = _split_ends([p for p in module.parameters() if id(p) not in in_layers], pre, post)
     tied_ids = {id(p) for p in first} & {id(p) for p in last}
@@ -1319,10 +1481,10 @@ def _to_model_spec(
             *_merge_repeats(body),
             _block("post", Role.POST, post, last, hidden, samples, sparse=_untied(recorder.sparse, tied_ids, last)),
         ),
-        hidden_size=max(1, hidden),
+        hidden_size=max(1, width),
         num_heads=tp[0] if tp else 1,
         num_kv_heads=_kv_heads(module),
-        seq_length=max(1, recorder.tokens // samples),
+        seq_length=max(1, tokens // samples),
         precision=precision,
         global_batch_size=global_batch_size,
         tied_params=tied,
@@ -1480,6 +1642,79 @@ def _loss_difference(module: nn.Module, batch: Any, size: int, total: int) -> tu
     return difference, max(BATCH_CHECK_RTOL, 8 * torch.finfo(dtype).eps)
 
 
+# --- can fleet_pipeline()'s layers run as a pipeline? ---------------------------------------------------
+
+
+def _shape_words(value: Any) -> str:
+    """'float32[4,32,64]', 'a tuple of 2 (float32[4,32,64], NoneType)', 'a BaseModelOutput': a value as messages say it."""
+    if isinstance(value, torch.Tensor):
+        return f"{str(value.dtype).removeprefix('torch.')}[{','.join(map(str, value.shape))}]"
+    if isinstance(value, tuple) and type(value) is tuple:
+        return f"a tuple of {len(value)} ({', '.join(_shape_words(v) if isinstance(v, torch.Tensor) else type(v).__name__ for v in value[:4])})"
+    return f"a {type(value).__name__}"
+
+
+def _is_activation(value: Any) -> bool:
+    """What DeepSpeed's pipeline engine passes between layers and stages: a tensor or a plain tuple of tensors."""
+    if isinstance(value, torch.Tensor):
+        return True
+    return type(value) is tuple and len(value) > 0 and all(isinstance(v, torch.Tensor) for v in value)
+
+
+def pipeline_problem(module: nn.Module, batch: Any) -> str:
+    """Why ``fleet_pipeline()``'s layers cannot run as a pipeline on ``batch`` ('' when they can, or the module has no
+    such hook): the batch is not (inputs, labels), a layer fails when called as ``layer(x)`` with the previous one's
+    output alone or returns something other than a tensor or a tuple of tensors, the loss fails, or the layer stack's
+    layers are not there in one run (:func:`~lightning_fleet.hooks.stack_problem`). One line, naming the layer and
+    saying what shape is needed (:data:`~lightning_fleet.hooks.PIPELINE_SHAPE`). Runs the layers once in sequence on a
+    meta copy of the module (no memory, no compute; the module is not changed), as DeepSpeed's engine calls them."""
+    if not callable(getattr(module, "fleet_pipeline", None)):
+        return ""
+    with _global_state_kept():
+        found = _pipeline_run_problem(module, batch)
+    return f"{found}; {PIPELINE_SHAPE}" if found else ""
+
+
+def _pipeline_run_problem(module: nn.Module, batch: Any) -> str:
+    """:func:`pipeline_problem`'s finding, without the shape it needs."""
+    if not isinstance(batch, (list, tuple)) or len(batch) != 2:
+        return f"the training batches are {_shape_words(batch)}, not (inputs, labels)"
+    clone, _ = _isolated_copy(module, on_meta=True)
+    try:
+        spec = pipeline_hook(clone)
+        assert spec is not None
+        layers, container = spec["layers"], find_layers(clone)
+        if container is not None:
+            problem = stack_problem(layers, type(container[0]).__name__)
+            if problem:
+                return problem
+        inputs, labels = _meta_like(batch[0]), _meta_like(batch[1])
+        with _MetaFixups(), torch.device("meta"), torch.no_grad():
+            x, given = inputs, f"the batch's inputs {_shape_words(inputs)}"
+            for i, layer in enumerate(layers):
+                try:
+                    x = layer(x)
+                except Exception as err:
+                    return f"layer {i} ({type(layer).__name__}) fails when called as layer(x) with {given}: {_reason_text(err)}"
+                if not _is_activation(x):
+                    return f"layer {i} ({type(layer).__name__}) returns {_shape_words(x)}, not a tensor or a tuple of tensors"
+                given = f"layer {i}'s output {_shape_words(x)}"
+            try:
+                spec["loss_fn"](x, labels)
+            except Exception as err:
+                return f"loss_fn(output of layer {len(layers) - 1}, labels) fails with {given}: {_reason_text(err)}"
+    finally:
+        _dismantle(clone)
+    return ""
+
+
+def _reason_text(err: BaseException) -> str:
+    """'TypeError: cannot unpack ...': an exception in one bounded line."""
+    text = " ".join(str(err).split())
+    line = type(err).__name__ + (f": {text}" if text else "")
+    return line if len(line) <= _REASON_CHARS else line[: _REASON_CHARS - 3] + "..."
+
+
 # --- entry points --------------------------------------------------------------------------------------
 
 
@@ -1585,7 +1820,8 @@ def profile(
                 failures.append(_reason(method, err))
         if measured is not None:
             spec = measured.spec
-            notes = (*_measured_notes(measured, method), *_sparse_notes(measured.sparse_params, spec))
+            notes = (*((measured.layer_note,) if measured.layer_note else ()), *_measured_notes(measured, method),
+                     *_sparse_notes(measured.sparse_params, spec))
             batchnorm, sparse = measured.batchnorm, measured.sparse_params
         else:
             method = Method.PARAMETERS
@@ -1593,8 +1829,12 @@ def profile(
             batchnorm, sparse = _has_batchnorm_in_training(module), _sparse_modules(module)
             notes = (*notes, *_sparse_notes(sparse, None))
         dependent, note = _batch_dependence(module, example_batch, spec.flops_per_sample, batchnorm)
-    return Profile(spec=spec, method=method, fallback_reason="; ".join(failures), notes=(*notes, note), batch_dependent=dependent,
-                   sparse_params=sparse)
+    pipeline = pipeline_problem(module, example_batch)
+    notes = (*notes, note, *((f"no pipeline parallelism: fleet_pipeline(): {pipeline}",) if pipeline else ()))
+    return Profile(
+        spec=spec, method=method, fallback_reason="; ".join(failures), notes=notes, batch_dependent=dependent,
+        sparse_params=sparse, pipeline_problem=pipeline,
+    )
 
 
 def _sparse_modules(module: nn.Module) -> tuple[str, ...]:
@@ -1656,6 +1896,7 @@ __all__ = [
     "Method",
     "Profile",
     "batch_size_of",
+    "pipeline_problem",
     "profile",
     "profile_module",
 ]

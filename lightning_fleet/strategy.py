@@ -421,7 +421,7 @@ class FleetStrategy(DeepSpeedStrategy):
         self.profile = profile(module, example, global_batch_size=global_batch_size, precision=precision, name=type(module).__name__)
         return ModuleFacts(
             spec=self.profile.spec,
-            hooks=module_hooks(module, self.profile.sparse_params),
+            hooks=module_hooks(module, sparse_params=self.profile.sparse_params, pipeline_problem=self.profile.pipeline_problem),
             loader_batch_size=data.batch_size,
             batch_dependent=self.profile.batch_dependent,
             profile_lines=tuple(self.profile.report_lines()),

@@ -4,6 +4,7 @@ meta tensors cannot do, the real and parameter-count fallbacks, isolation of the
 from __future__ import annotations
 
 import copy
+import json
 import random
 import threading
 import weakref
@@ -504,3 +505,227 @@ def test_data_sources_held_by_the_module_are_shared_not_copied() -> None:
     assert id(module.small) not in memo  # small arrays are copied with the module, as every other attribute
     batch = next(iter(loaders(classification_data())["train_dataloaders"]))
     assert profile(module, batch, global_batch_size=8).method is Method.META
+
+
+# --- layer stacks whose objects are not what runs (wrappers) --------------------------------------------
+
+
+class _Mlp(nn.Module):
+    """One residual MLP block of width 32 (the GEMMs a layer stack runs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(32, 128), nn.Linear(128, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(x)))
+
+
+class _Holder(nn.Module):
+    """A wrapper holding a block next to other things; the forward of the models below passes it by."""
+
+    def __init__(self, block: nn.Module, extra: nn.Module) -> None:
+        super().__init__()
+        self.block, self.extra = block, extra
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(x)
+
+
+class _BackReference(nn.Module):
+    """A wrapper holding the whole model (registered as a submodule) and its block's index: it holds nothing of its own."""
+
+    def __init__(self, model: nn.Module, index: int) -> None:
+        super().__init__()
+        self.model, self.index = model, index
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model.block(self.index)(x)
+
+
+class _Tokens(nn.Module):
+    """Embedding, 4 blocks, head over 16 tokens of width 32; ``fleet_layers`` is the shape under test."""
+
+    def __init__(self, shape: str = "plain") -> None:
+        super().__init__()
+        self.shape = shape
+        self.embed, self.head = nn.Embedding(64, 32), nn.Linear(32, 64)
+        blocks = [_Mlp() for _ in range(4)]
+        if shape == "attributes":  # no ModuleList anywhere: nothing to find without the hook
+            for i, block in enumerate(blocks):
+                setattr(self, f"b{i}", block)
+        elif shape == "one_object":  # one block object listed four times (weights shared, ALBERT-like)
+            self.blocks = nn.ModuleList([blocks[0]] * 4)
+        else:
+            self.blocks = nn.ModuleList(blocks)
+
+    def block(self, i: int) -> nn.Module:
+        return getattr(self, f"b{i}") if self.shape == "attributes" else self.blocks[i]
+
+    def fleet_layers(self) -> nn.ModuleList:
+        if self.shape == "holders":  # built on the fly, each holding its block and the (shared) head
+            return nn.ModuleList(_Holder(self.blocks[i], self.head) for i in range(4))
+        if self.shape in ("back_references", "attributes"):
+            return nn.ModuleList(_BackReference(self, i) for i in range(4))
+        if self.shape == "around_the_list":  # one wrapper around the whole list
+            return nn.ModuleList([_Holder(self.blocks, nn.Identity())])
+        return self.blocks
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        x = self.embed(batch)
+        for i in range(4):
+            x = self.block(i)(x)
+        return self.head(x).logsumexp(-1).mean()
+
+
+def _predicted_step_s(spec) -> float:
+    """The cost model's step time of dp=2, mbs=8 on the 'cpu' preset, whose GEMM efficiency depends on the GEMM size
+    (matmul_half_dim 32): a spec sized 1 x 1 is priced ~10x slower there."""
+    from lightning_fleet.planning import estimate, load_cluster, parse_plan
+
+    plan = parse_plan("dp=2,tp=1,pp=1,zero=0,mbs=8,gas=1,recompute=none,sp=false,vpp=1,offload=none", global_batch_size=16)
+    return estimate(spec, load_cluster("cpu"), plan).time.step_s
+
+
+WRAPPED_PREDICTION_FACTOR = 1.1
+"""How far the prediction for a wrapped layer stack may be from the unwrapped module's (the same work runs)."""
+
+
+@pytest.mark.pure
+@pytest.mark.parametrize(
+    "shape, layers, note",
+    [
+        ("holders", 4, "4 of the 4 layer objects fleet_layers() returns (_Holder) never run themselves"),
+        ("back_references", 4, "priced with blocks (4 x _Mlp) instead"),
+        ("attributes", 1, "priced as one layer (the step's measured total)"),
+        ("around_the_list", 1, "1 of the 1 layer objects fleet_layers() returns (_Holder) never run themselves"),
+        ("one_object", 4, ""),
+    ],
+)
+def test_a_wrapped_layer_stack_is_priced_by_what_runs(shape: str, layers: int, note: str) -> None:
+    """fleet_layers() returning wrappers the forward passes by left every layer at 0 FLOPs and the width and sequence
+    length at 1 (taken from a layer output that never came): 13.5x the unwrapped module's predicted step time, no
+    word in the report. Each layer is priced by what runs of what it holds, a stack of which nothing runs on its own
+    falls back to the stack found without the hook (else one layer), and the report says so."""
+    batch = torch.zeros(8, 16, dtype=torch.long)
+    torch.manual_seed(0)
+    plain = profile(_Tokens("plain"), batch, global_batch_size=16)
+    torch.manual_seed(0)
+    wrapped = profile(_Tokens(shape), batch, global_batch_size=16)
+    assert wrapped.method is Method.META and plain.method is Method.META
+    spec, reference = wrapped.spec, plain.spec
+    ratio = _predicted_step_s(spec) / _predicted_step_s(reference)
+    assert 1 / WRAPPED_PREDICTION_FACTOR < ratio < WRAPPED_PREDICTION_FACTOR, ratio
+    assert spec.flops_per_sample == pytest.approx(reference.flops_per_sample)
+    assert spec.seq_length == reference.seq_length == 16
+    assert spec.num_layers == layers
+    body = [b for b in spec.blocks if b.role is Role.LAYER]
+    assert all(b.flops > 0 for b in body)  # every layer priced with the work it ran
+    if layers == 4:
+        assert spec.hidden_size == 32
+        assert sum(b.flops * b.count for b in body) == pytest.approx(reference.blocks[1].flops * 4)
+        assert {b.flops for b in body} == {reference.blocks[1].flops}
+    if shape == "holders":  # the head the wrappers hold next to their block is read after the stack: post's
+        assert spec.blocks[-1].params == reference.blocks[-1].params == 32 * 64 + 64
+        assert body[0].params == reference.blocks[1].params
+    lines = [line for line in wrapped.notes if line.startswith("layer stack:")]
+    assert len(lines) == (1 if note else 0) and note in "".join(lines), wrapped.notes
+
+
+# --- pipelines on a Hugging Face model: the README's adapter, and the natural first try ------------------
+
+_TINY_LLAMA = {
+    "vocab_size": 96, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "max_position_embeddings": 32,
+}
+
+
+def _readme_adapter(tmp_path) -> tuple[str, dict]:
+    """The README's 'Pipelines on a Hugging Face model' code block, written to a file (what a user copies) and run."""
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    (block,) = [b.split("```", 1)[0] for b in readme.split("```python\n")[1:] if "class DecoderStage" in b]
+    path = tmp_path / "hf_llama.py"
+    path.write_text(block)
+    namespace: dict = {"__name__": "hf_llama"}
+    exec(compile(block, str(path), "exec"), namespace)
+    return str(path), namespace
+
+
+def _token_batch(samples: int = 4, tokens: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(0, _TINY_LLAMA["vocab_size"], (samples, tokens), generator=torch.Generator().manual_seed(0))
+    return ids, torch.roll(ids, -1, 1)
+
+
+@pytest.mark.unit
+def test_the_readme_hugging_face_adapter_passes_the_pipeline_checks_and_computes_the_models_loss(tmp_path) -> None:
+    """The README's ~20-line adapter: the dry run finds nothing, the stack (model.model.layers, found without a hook)
+    is found inside the adapters and split 2 + 2 over pp=2, the chain of layers gives the LightningModule's own loss, and
+    `fleet plan --module` plans it with pp=2 fixed."""
+    pytest.importorskip("transformers")
+    from lightning_fleet.cli import main
+    from lightning_fleet.hooks import module_hooks
+    from lightning_fleet.planning import parse_plan
+    from lightning_fleet.runtime.deepspeed.pipeline import stage_parts
+
+    path, namespace = _readme_adapter(tmp_path)
+    torch.manual_seed(0)
+    module = namespace["HFLlama"](_TINY_LLAMA)
+    batch = _token_batch()
+    assert profiling.pipeline_problem(module, batch) == ""
+    assert module_hooks(module).pipeline and find_layers(module) is module.model.model.layers
+    spec = module.fleet_pipeline()
+    plan = parse_plan("dp=1,tp=1,pp=2,zero=0,mbs=4,gas=1,recompute=none,sp=false,vpp=1,offload=none", global_batch_size=4)
+    assert stage_parts(spec["layers"], plan, "LlamaDecoderLayer") == [0, 3, 7]  # embed + 2 stages | 2 stages + norm, head
+    with torch.no_grad():
+        x = batch[0]
+        for layer in spec["layers"]:
+            x = layer(x)
+        assert spec["loss_fn"](x, batch[1]).item() == pytest.approx(module.training_step(batch, 0).item(), rel=1e-5)
+    args = ["plan", "--module", f"{path}:HFLlama", "--init-args", json.dumps({"config": _TINY_LLAMA}), "--cluster", "cpu",
+            "--batch", "(long[4,16], long[4,16])", "--fix", "pp=2", "--runtime", "deepspeed", "--json"]
+    assert main(args) == 0
+
+
+@pytest.mark.pure
+def test_the_natural_first_try_at_a_hugging_face_pipeline_is_refused_in_one_line_that_names_the_layer(tmp_path) -> None:
+    """[embed_tokens, *layers, norm, lm_head] was accepted at planning and crashed in the first pipeline step inside
+    transformers (237 lines: 'cannot unpack non-iterable NoneType object'); adapters with the stack's class missing
+    from the list said 'must follow each other (found at [])'. Now the dry run names the layer and the shape needed,
+    the pipeline is off, and a fixed pp=2 is refused with that one line."""
+    pytest.importorskip("transformers")
+    from lightning_fleet.hooks import PIPELINE_SHAPE, module_hooks
+    from lightning_fleet.runtime import capabilities_of
+    from lightning_fleet.planning import parse_partial_plan
+
+    _, namespace = _readme_adapter(tmp_path)
+
+    class RawLayers(namespace["HFLlama"]):
+        def fleet_pipeline(self):
+            inner = self.model.model
+            layers = [inner.embed_tokens, *inner.layers, inner.norm, self.model.lm_head]
+            return {"layers": layers, "loss_fn": namespace["next_token_loss"]}
+
+    class LayersApart(namespace["HFLlama"]):  # the stack split by something in between
+        def fleet_pipeline(self):
+            spec = super().fleet_pipeline()
+            layers = spec["layers"]
+            return {**spec, "layers": [*layers[:2], nn.Identity(), *layers[2:]]}
+
+    torch.manual_seed(0)
+    raw = RawLayers(_TINY_LLAMA)
+    problem = profiling.pipeline_problem(raw, _token_batch())
+    assert problem.startswith(
+        "layer 1 (LlamaDecoderLayer) fails when called as layer(x) with layer 0's output float32[4,16,32]: TypeError: "
+    ) and problem.endswith(PIPELINE_SHAPE) and "\n" not in problem
+    hooks = module_hooks(raw, pipeline_problem=problem)
+    assert not hooks.pipeline
+    refusal = capabilities_of("deepspeed").refusal(parse_partial_plan("pp=2"), hooks)
+    assert refusal == f"plan pp=2 has pp=2, but RawLayers has a fleet_pipeline() that cannot run: {problem}"
+    apart = profiling.pipeline_problem(LayersApart(_TINY_LLAMA), _token_batch())
+    assert apart.startswith("its layers that are or hold a LlamaDecoderLayer (positions 1, 3, 4, 5 of 8: Embedding, "
+                            "DecoderStage, Identity, DecoderStage x3, LlamaRMSNorm, Linear) must follow each other")
+    assert profiling.pipeline_problem(raw, {"input_ids": _token_batch()[0]}).startswith(
+        "the training batches are a dict, not (inputs, labels)"
+    )

@@ -87,6 +87,10 @@ class ModuleHooks:
         None: no split layer is known."""
         return math.gcd(*(limit.parts for limit in self.tp_limits)) if self.tp_limits else None
 
+    pipeline_problem: str = ""
+    """Why ``fleet_pipeline()``'s layers cannot run as a pipeline, found by the profiler's dry run on the example batch
+    ('' when they can or it did not run); ``pipeline`` is False then."""
+
     @classmethod
     def assumed(cls, name: str = "the model") -> "ModuleHooks":
         """Every hook present and automatic optimization: for planning a model spec offline (``fleet plan``, the
@@ -284,6 +288,8 @@ class Capabilities:
     def _no_pipeline_because(self, hooks: ModuleHooks) -> str:
         if self.pp_needs_automatic_optimization and not hooks.automatic_optimization:
             return "optimizes manually, and a pipeline runs forward, backward and step itself: use pp=1"
+        if hooks.pipeline_problem:
+            return f"has a fleet_pipeline() that cannot run: {hooks.pipeline_problem}"
         return "defines no fleet_pipeline() (and fleet_layers()) hook: add it or use pp=1"
 
     def _pipeline_limits(self) -> str:

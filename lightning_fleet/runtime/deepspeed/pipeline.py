@@ -19,7 +19,7 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from lightning_fleet.hooks import pipeline_hook
+from lightning_fleet.hooks import PIPELINE_SHAPE, pipeline_hook, stack_positions, stack_problem
 from lightning_fleet.planning import Axis, FleetError, Plan, Recompute
 
 _TOPOLOGY_AXES = {Axis.PP: "pipe", Axis.DP: "data"}
@@ -43,10 +43,12 @@ def pipeline_topology(plan: Plan) -> Any:
 def stage_parts(layers: list[Any], plan: Plan, layer_type: str) -> list[int]:
     """Where each stage's slice of ``layers`` starts, and the end (DeepSpeed's ``PipelineModule.parts``): the layers of
     class ``layer_type`` split as ``plan.stage_layers`` says (evenly without it), what comes before the first of them on
-    the first stage and what comes after the last on the last. FleetError when the plan's split does not fit them."""
-    stack = [i for i, layer in enumerate(layers) if type(layer).__name__ == layer_type]
-    if not stack or stack != list(range(stack[0], stack[-1] + 1)):
-        raise FleetError(f"fleet_pipeline(): the layers of class {layer_type} must follow each other (found at {stack})")
+    the first stage and what comes after the last on the last (a layer holding a ``layer_type``, an adapter, counts as
+    one of them: :func:`~lightning_fleet.hooks.stack_positions`). FleetError when the plan's split does not fit them."""
+    problem = stack_problem(layers, layer_type)
+    if problem:
+        raise FleetError(f"fleet_pipeline(): {problem}; {PIPELINE_SHAPE}")
+    stack = stack_positions(layers, layer_type)
     split = plan.stage_layers
     if split is None:
         if len(stack) % plan.pp:
@@ -86,20 +88,23 @@ def _pipeline_module_class() -> type:
 
 def build_pipeline(module: nn.Module, plan: Plan, *, layer_type: str) -> nn.Module:
     """A DeepSpeed PipelineModule over the hook's layers, placed as ``plan`` says (:func:`pipeline_topology`) and split
-    as it says (:func:`stage_parts`); with ``recompute=full`` each layer of type ``layer_type`` is recomputed in backward."""
+    as it says (:func:`stage_parts`); with ``recompute=full`` each layer of the stack (of type ``layer_type``, or an adapter
+    holding one) is recomputed in backward."""
     spec = pipeline_hook(module)
     assert spec is not None
     layers = list(spec["layers"])
+    parts = stage_parts(layers, plan, layer_type)
+    checkpointed = sorted({type(layers[i]).__name__ for i in stack_positions(layers, layer_type)})  # adapters: their class
     return _pipeline_module_class()(
         layers=layers,
-        parts=stage_parts(layers, plan, layer_type),
+        parts=parts,
         loss_fn=spec["loss_fn"],
         topology=pipeline_topology(plan),
         partition_method="uniform",  # unused: FleetPipelineModule partitions by the plan
         activation_checkpoint_interval=1 if plan.recompute is Recompute.FULL else 0,
         # full recomputation of the layers only (as the cost model prices it); non-reentrant, so a
         # first layer fed integer token ids still gets gradients for its weights
-        checkpointable_layers=[layer_type],
+        checkpointable_layers=checkpointed,
         activation_checkpoint_func=functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False),
     )
 
@@ -118,7 +123,10 @@ def local_optimizer(optimizer: torch.optim.Optimizer, keep: nn.Module) -> torch.
 def split_batch(batch: Any) -> tuple[Any, Any]:
     """(inputs, labels) of a pipeline micro-batch."""
     if not isinstance(batch, (list, tuple)) or len(batch) != 2:
-        raise FleetError("pipeline parallelism needs batches of (inputs, labels); the training DataLoader yields another shape")
+        raise FleetError(
+            f"pipeline parallelism needs batches of (inputs, labels); the training DataLoader yields a {type(batch).__name__}: "
+            "yield (inputs, labels) tuples (a collate_fn that returns them), or use pp=1"
+        )
     return batch[0], batch[1]
 
 
