@@ -95,7 +95,7 @@ class FleetCheckpoint(Callback):
         self._lock: DirLock | None = None  # rank 0's hold on dirpath, from claim() to the end of fit
         self._claimed = False
         self._needed_bytes = 0  # free space one more checkpoint needs (the newest one's size, or the estimate)
-        self._identity: tuple[int, int] | None = None  # rank 0: (device, inode) of dirpath as claimed
+        self._identity: tuple[int, ...] | None = None  # rank 0: dirpath as claimed (_directory_identity)
         self._resumed: Path | None = None  # the checkpoint this fit continued, the last good one before its own saves
 
     # --- the directory ------------------------------------------------------------------------
@@ -146,14 +146,24 @@ class FleetCheckpoint(Callback):
         make_private_dir(self.dirpath)
         self._lock = self._lock or DirLock(self.dirpath, log=lambda line: print(line, flush=True))
         self._lock.acquire()
-        self._identity = identity(self.dirpath)
+        self._identity = self._directory_identity()
         remove_abandoned(self.dirpath, self._lock)
+
+    def _directory_identity(self) -> tuple[int, ...] | None:
+        """Which directory is at ``dirpath`` (None: nothing is): its (device, inode) and its lock file's inode. A
+        directory deleted and made again (by DeepSpeed's own ``makedirs`` during a save) holds no lock file, even where
+        the file system gives it the deleted one's inode number (measured: tmpfs and ext4 reuse it at once)."""
+        found = identity(self.dirpath)
+        if found is None:
+            return None
+        lock = identity(self._lock.path) if self._lock is not None else None
+        return (*found, *(lock or (-1, -1)))
 
     def _check_directory(self) -> None:
         """Rank 0, before a save writes: ``dirpath`` is still the directory claimed. Deleted since (``rm -rf``): made
         again, with its lock, and the job goes on (a line says so). Another directory in its place: FleetError (this job
         writes nothing into a directory it did not set up)."""
-        found = identity(self.dirpath)
+        found = self._directory_identity()
         if found is None:
             print(f"lightning_fleet: checkpoint directory {self.dirpath} was deleted since the last save (with the "
                   "checkpoints it held); made it again, with its lock", flush=True)
@@ -351,7 +361,7 @@ class FleetCheckpoint(Callback):
 
     def _check_directory_kept(self) -> None:
         """Rank 0, right before the commit's rename: ``dirpath`` is still the directory claimed (FleetError if not)."""
-        if identity(self.dirpath) != self._identity:
+        if self._directory_identity() != self._identity:
             raise FleetError(f"checkpoint directory {self.dirpath} is not the one this job set up")  # _failed says more
 
     def _last_good(self) -> str:
@@ -360,7 +370,7 @@ class FleetCheckpoint(Callback):
         good = self.saved[-1] if self.saved else self._resumed
         if good is None:
             return f"no checkpoint of this job in {self.dirpath} yet"
-        moved = identity(self.dirpath) not in (None, self._identity) and self._identity is not None
+        moved = self._directory_identity() not in (None, self._identity) and self._identity is not None
         gone = f"was in the directory this job set up, which is no longer at {self.dirpath}" if moved else still_there(good)
         if gone:
             return f"this job's last checkpoint {good} (step {step_of(good.name)}) {gone}"
@@ -370,13 +380,13 @@ class FleetCheckpoint(Callback):
         """The one line of a save that failed, naming its cause as found on disk (the directory deleted or replaced, the
         file system full) before the runtime's words; deterministic when the next attempt's setup would fail the same
         way (the directory unwritable, or without room for one more checkpoint)."""
-        found = identity(self.dirpath)
+        found = self._directory_identity()
         full, cause = False, what
         if found is None:
             cause = f"the checkpoint directory {self.dirpath} was deleted during the save ({what})"
         elif self._identity is not None and found != self._identity:
             cause = (f"the checkpoint directory {self.dirpath} is not the one this job set up (deleted and made again, or "
-                     "moved away and replaced: its device and inode changed), and this job writes nothing into a directory "
+                     "moved away and replaced: its device, inode or lock file changed), and this job writes nothing into a directory "
                      "it did not set up")
         else:
             free = shutil.disk_usage(self.dirpath).free

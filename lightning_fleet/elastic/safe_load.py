@@ -71,7 +71,7 @@ USER_KINDS = frozenset({layout.KIND_MODEL_STATES, layout.KIND_LIGHTNING})
 ``torch.serialization.add_safe_globals`` are admitted too."""
 
 ALLOWED_GLOBALS: Mapping[str, tuple[str, ...]] = {
-    layout.KIND_MODEL_STATES: ("torch.Size", "torch.device", "builtins.set", *_SCALERS, _ZERO_STAGE, *_HYPER),
+    layout.KIND_MODEL_STATES: ("torch.Size", "torch.device", "builtins.set", *_SCALERS, _ZERO_STAGE, _FRAGMENT, *_HYPER),
     layout.KIND_LIGHTNING: ("torch.Size", "torch.device", "builtins.set", *_HYPER),
     layout.KIND_LAYER_STATES: (),
     layout.KIND_UNSTAGED: (),
@@ -84,7 +84,8 @@ ALLOWED_GLOBALS: Mapping[str, tuple[str, ...]] = {
 """Per file kind, the globals a file may name besides every kind's tensors (``torch._utils._rebuild_tensor_v2``, the
 storage types, dtypes and ``collections.OrderedDict``): what each kind holds, measured on DeepSpeed 0.19.8's ZeRO 0-3,
 tensor- and pipeline-parallel checkpoints and their universal form (the loss scaler and ZeRO stage in optimizer
-partitions, ``fragment_address`` in their slice mappings, ZeRO-3's flat groups as tensors with a ``ds_id``), and for the
+partitions, ``fragment_address`` in their slice mappings -- also in the model states where no ZeRO optimizer keeps
+its own file: bf16 at ZeRO-0, e.g. under a pipeline --, ZeRO-3's flat groups as tensors with a ``ds_id``), and for the
 files holding Lightning's client state the standard-library values hyper-parameters commonly hold (LightningCLI paths,
 namespaces). A :data:`~lightning_fleet.elastic.layout.KIND_DATA` file is never unpickled."""
 
