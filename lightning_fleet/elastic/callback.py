@@ -52,7 +52,7 @@ from lightning_fleet.elastic.checkpoint import (
 )
 from lightning_fleet.elastic.layout import LATEST, MANIFEST, Manifest, rank_file, state_dir, step_dir_name, step_of, tmp_name
 from lightning_fleet.elastic.lock import DirLock
-from lightning_fleet.elastic.worker import collectives, deterministic
+from lightning_fleet.elastic.worker import collectives, deterministic, note_stop_signal
 from lightning_fleet.planning import FleetError
 from lightning_fleet.rng import RngState
 
@@ -203,6 +203,7 @@ class FleetCheckpoint(Callback):
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         self._sigterm = True
+        note_stop_signal()
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
         """Give SIGTERM and SIGHUP back to the handlers they had before training; release the directory."""

@@ -64,6 +64,7 @@ _LEADER_KEY = f"{_HANDSHAKE_ROOT}/leader"
 _POLL_S = 0.05
 _OWN_LINE = "fleet_own_line"  # a FleetError every rank that meets it reports at once (see peer_lost)
 _parent_at_install: int | None = None
+_stop_signal_seen = False  # a SIGTERM/SIGHUP reached this process's stop handler (note_stop_signal)
 _PARENT_AT_IMPORT = os.getppid()  # a torchrun worker's agent, observed as early as this package is imported
 PR_SET_PDEATHSIG = 1
 """prctl(2) option: the signal Linux sends a process when the thread that started it exits (linux/prctl.h)."""
@@ -423,6 +424,8 @@ def end_job(error: FleetError) -> None:
     agent = _agent_to_stop(error)
     if agent is not None:
         os.kill(agent, signal.SIGTERM)
+    if rank != 0 and _stop_signal_seen:
+        raise SystemExit(EXIT_CODE)  # the job is being stopped around this rank: rank 0 speaks (note_stop_signal)
     if rank != 0 or agent is not None:
         ended = _ended_around_us(PEER_GRACE_S)  # the agent's SIGTERM exits from inside
         if not ended and rank != 0:
@@ -471,6 +474,15 @@ def _write_stop_file(message: str) -> None:
             Path(path).write_text(message + "\n")
         except OSError:
             pass  # fleet launch then reports the agent's signal instead; the error line was printed already
+
+
+def note_stop_signal() -> None:
+    """Record that a stop signal (SIGTERM, SIGHUP) reached this process: FleetCheckpoint's handler calls it. A rank
+    other than 0 whose FleetError follows one is being ended around it (torchrun's agent, stopped by rank 0 for a
+    deterministic error, stops every worker with SIGTERM, which may land before this rank's own error does):
+    :func:`end_job` then exits at once without a line of its own."""
+    global _stop_signal_seen
+    _stop_signal_seen = True
 
 
 def _ended_around_us(grace_s: float) -> bool:
