@@ -87,6 +87,16 @@ def single(tmp: Path, *args: str, timeout: float = 120) -> subprocess.CompletedP
     return run([sys.executable, str(WORKER), "--dir", str(tmp), "--plan", "dp=1,zero=0", *args], worker_env(tmp), timeout)
 
 
+def _remove_abandoned_holding_the_lock(directory: Path) -> None:
+    """remove_abandoned as rank 0 calls it: under the directory's lock, released afterwards."""
+    held = DirLock(directory)
+    held.acquire()
+    try:
+        remove_abandoned(directory, held)
+    finally:
+        held.release()
+
+
 def error_lines(log: str) -> list[str]:
     return [line for line in log.splitlines() if line.startswith("lightning_fleet: error:")]
 
@@ -186,12 +196,7 @@ def test_abandoned_saves_are_removed_only_under_the_directory_lock(tmp_path):
     (tmp_path / ".tmp-step-000000005").mkdir()
     with pytest.raises(FleetError, match="needs its lock"):
         remove_abandoned(tmp_path, DirLock(tmp_path))
-    held = DirLock(tmp_path)
-    held.acquire()
-    try:
-        remove_abandoned(tmp_path, held)
-    finally:
-        held.release()
+    _remove_abandoned_holding_the_lock(tmp_path)
     assert not (tmp_path / ".tmp-step-000000005").exists() and not (tmp_path / LOCK).exists()
 
 
@@ -894,12 +899,7 @@ def test_a_kill_while_the_universal_form_is_listed_leaves_a_checkpoint_that_veri
     assert chosen.path == step and not derived_listed(chosen.manifest, UNIVERSAL)  # converted again, from this step
     strays = [p.name for p in tmp_path.glob(".tmp-*")]
     assert len(strays) == 1 and strays[0].startswith(f".tmp-{MANIFEST}."), strays
-    held = DirLock(tmp_path)
-    held.acquire()
-    try:
-        remove_abandoned(tmp_path, held)
-    finally:
-        held.release()
+    _remove_abandoned_holding_the_lock(tmp_path)
     assert not list(tmp_path.glob(".tmp-*"))
 
 
