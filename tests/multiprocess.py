@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import atexit
+import functools
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,8 +31,23 @@ def free_port() -> int:
 _LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
-def worker_env(tmp: Path) -> dict[str, str]:
-    """Environment of a worker: one thread, loopback, a private calibration cache, no inherited launch state."""
+@functools.cache
+def shared_cache() -> Path:
+    """The calibration cache the jobs of one test run share: ``FLEET_TEST_CACHE`` where set (scripts/suite.py sets it
+    for both its phases and all their workers), else a directory made on first use and removed at exit. The first job
+    of each world shape measures the machine (about 5 s of GEMM, attention and collective probes) and writes it, later
+    jobs read it, as a user's later jobs on one host do; each job still probes its ranks at its start. A test about
+    measuring or about the cache passes ``private_cache=True``."""
+    if os.environ.get("FLEET_TEST_CACHE"):
+        return Path(os.environ["FLEET_TEST_CACHE"])
+    path = Path(tempfile.mkdtemp(prefix="fleet-test-calibration-"))
+    atexit.register(shutil.rmtree, path, True)
+    return path
+
+
+def worker_env(tmp: Path, *, private_cache: bool = False) -> dict[str, str]:
+    """Environment of a worker: one thread, loopback, the run's shared calibration cache (``tmp/cache`` when
+    ``private_cache``), no inherited launch state."""
     inherited = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS and not k.startswith(("TORCHELASTIC_", "PL_"))}
     return {
         **inherited,
@@ -36,7 +55,7 @@ def worker_env(tmp: Path) -> dict[str, str]:
         "PYTHONPATH": str(ROOT),
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(free_port()),
-        "FLEET_CACHE_DIR": str(tmp / "cache"),
+        "FLEET_CACHE_DIR": str(tmp / "cache" if private_cache else shared_cache()),
     }
 
 
@@ -52,10 +71,11 @@ def run(cmd: list[str], env: dict[str, str], timeout: float = 600) -> subprocess
     return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
 
 
-def run_worker(tmp: Path, *args: str, torchrun: bool = False, timeout: float = 600, worker: Path = WORKER) -> tuple[list[dict], str]:
+def run_worker(tmp: Path, *args: str, torchrun: bool = False, timeout: float = 600, worker: Path = WORKER,
+               private_cache: bool = False) -> tuple[list[dict], str]:
     """Run a worker script (the training worker by default; Lightning's launcher, or torchrun) and load its results."""
     out = tmp / f"result-{free_port()}.pt"
-    env = worker_env(tmp)
+    env = worker_env(tmp, private_cache=private_cache)
     if torchrun:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1", f"--master-port={env['MASTER_PORT']}", str(worker)]
     else:

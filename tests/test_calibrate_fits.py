@@ -418,10 +418,13 @@ def test_one_process_has_one_speed_and_no_per_rank_devices(monkeypatch) -> None:
     start = time.perf_counter()
     speed = measure.sustained_speed(torch.device("cpu"), width=64, seconds=0.05)
     assert time.perf_counter() - start >= 0.05 and speed.flops_per_s > 0 and speed.ops_per_s > 0
-    monkeypatch.setattr(measure, "RANK_PROBE_S", 0.08)
     monkeypatch.setattr(measure, "matmul_rate", lambda *args, **kwargs: 2e11)
+    start = time.perf_counter()
     _, _, ranks = measure._device_spec(torch.device("cpu"), measure.WorldShape(world_size=1, local_world_size=1, num_nodes=1), 0.0)
-    assert len(ranks.flops_rounds) == measure.RANK_PROBE_ROUNDS and ranks.world_size == 1 and not ranks.differ()
+    # one process has no rank to compare: one shortest round, not RANK_PROBE_S (1 s at every single-process start)
+    assert time.perf_counter() - start < measure.RANK_PROBE_S / 2
+    assert len(ranks.flops_rounds) == 1 and ranks.world_size == 1 and not ranks.differ()
+    assert ranks.judged().line() == "ranks    one process: no other rank to compare, not probed"
     assert ranks.host_is_device and ranks.identity == (measure.device_identity(measure.device_identity_text(torch.device("cpu"))),)
 
 

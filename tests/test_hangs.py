@@ -110,6 +110,7 @@ def final(tmp: Path) -> dict:
 
 
 @pytest.mark.elastic
+@pytest.mark.serial
 def test_hung_peer_fails_within_the_timeout_and_the_restart_resumes(tmp_path):
     """Every process group (the default one and DeepSpeed's data-parallel one) carries FleetStrategy(timeout=8 s); a
     SIGSTOPped rank 1 makes rank 0 fail with one line within timeout + REPORT_SLACK_S (before: Lightning's per-step
@@ -158,6 +159,7 @@ def sleeps_started(tmp: Path, rank: int) -> int:
     ("checkpoint", "FleetCheckpoint's per-step agreement on saving"),
     ("backward", "the backward pass (the loss check and DeepSpeed's gradient reduction)"),
 ])
+@pytest.mark.serial
 def test_a_peer_hung_at_the_save_agreement_or_the_gradient_reduction_is_one_line(tmp_path, where, during):
     """Rank 1 SIGSTOPped right before FleetCheckpoint's per-step all-reduce, or before its backward (rank 0 then waits in
     DeepSpeed's gradient reduction of ZeRO-2): rank 0 ends in peer_lost's one line naming that collective, within the
@@ -186,6 +188,7 @@ def test_a_peer_hung_at_the_save_agreement_or_the_gradient_reduction_is_one_line
 
 
 @pytest.mark.elastic
+@pytest.mark.serial
 def test_workers_die_with_their_agent(tmp_path):
     """SIGKILL of the agent (fleet launch runs torchrun's agent in-process): both workers are gone within 5 s (before:
     both trained on, unsupervised, to the end of the run)."""
@@ -216,6 +219,7 @@ make_universal(SimpleNamespace(path=step, manifest=SimpleNamespace(files={{}})),
 
 
 @pytest.mark.unit
+@pytest.mark.serial
 def test_universal_converter_dies_with_its_parent(tmp_path):
     """make_universal's converter subprocess dies when its parent is SIGKILLed (before: still there 10 s later,
     re-parented to PID 1). The parent is killed as soon as the converter appears, while it still imports torch and

@@ -42,6 +42,7 @@ def test_script_is_required():
 
 
 @pytest.mark.unit
+@pytest.mark.serial
 def test_unresolvable_endpoint_fails_at_once_with_one_line(capsys):
     """Scenario 11: a rendezvous host that does not exist is one error line and exit 2 within a second, not minutes of retries."""
     started = time.monotonic()
@@ -52,6 +53,7 @@ def test_unresolvable_endpoint_fails_at_once_with_one_line(capsys):
 
 
 @pytest.mark.unit
+@pytest.mark.serial
 def test_unreachable_endpoint_fails_within_read_timeout(capsys):
     """Scenario 11: a remote endpoint that accepts no connection (TEST-NET-1 address) is one line and exit 2 after
     read_timeout, instead of torchrun's 158 s of retries with C++ stack traces (measured)."""
@@ -63,6 +65,7 @@ def test_unreachable_endpoint_fails_within_read_timeout(capsys):
 
 
 @pytest.mark.unit
+@pytest.mark.serial
 def test_silent_endpoint_is_a_bounded_failure(tmp_path):
     """Scenario 11: a port that accepts connections but is no rendezvous store (torchrun alone hangs for good here):
     the launcher exits 2 with one line after join_timeout + read_timeout, and started no worker."""

@@ -99,7 +99,8 @@ def test_checkpoint_round_trip_is_bitwise(plan, straight, resumed):
 
 def test_torchrun_launch_and_automatic_plan(tmp_path, reference):
     """torchrun --nproc-per-node=2, no plan given: the strategy measures the machine, plans, prints, trains, logs."""
-    results, log = run_worker(tmp_path, "--plans", "auto", "--steps", str(STEPS), "--gbs", str(GBS), torchrun=True)
+    results, log = run_worker(tmp_path, "--plans", "auto", "--steps", str(STEPS), "--gbs", str(GBS), torchrun=True,
+                              private_cache=True)
     (result,) = results
     assert "lightning_fleet plan for GPT" in log and "searched" in log and "candidates" in log
     assert result["world_size"] == 2

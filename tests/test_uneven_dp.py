@@ -296,6 +296,7 @@ def _throttled_run(tmp_path: Path, monkeypatch, quota_us: int, steps: int, plan:
 
 @pytest.mark.multiprocess
 @needs_cgroups
+@pytest.mark.serial
 def test_the_job_measures_each_rank_and_gives_the_slower_one_less(tmp_path, monkeypatch) -> None:
     """Rank 1 at a 30 % CPU quota (each rank pinned to its own core), no cluster file: the strategy's own measurement
     sees the ranks differ (ClusterSpec.rank_devices), the planner gives rank 0 the larger micro-batch, and the model
@@ -310,6 +311,7 @@ def test_the_job_measures_each_rank_and_gives_the_slower_one_less(tmp_path, monk
 
 
 @pytest.mark.multiprocess
+@pytest.mark.serial
 def test_a_busy_homogeneous_machine_keeps_the_even_split(tmp_path, monkeypatch) -> None:
     """Two unpinned ranks on one host while a busy loop holds core 1 (taskset) for the whole job, starting from a cache
     that a busy measurement left (rank 1 "2.5x slower", as every job on the host then split its batch), probing every 2
@@ -332,7 +334,7 @@ def test_a_busy_homogeneous_machine_keeps_the_even_split(tmp_path, monkeypatch) 
     busy = subprocess.Popen(["taskset", "-c", "1", sys.executable, "-c", "while True: pass"])
     try:
         results, log = run_worker(tmp_path, "--plans", "dp=2,zero=1", "--steps", "6", "--gbs", str(GBS),
-                                  worker=ROOT / "tests" / "workers" / "throttled_gpt.py")
+                                  worker=ROOT / "tests" / "workers" / "throttled_gpt.py", private_cache=True)
     finally:
         busy.kill()
         busy.wait()
@@ -354,6 +356,7 @@ def _throttled_reference(steps: int) -> tuple:
 
 @pytest.mark.multiprocess
 @needs_cgroups
+@pytest.mark.serial
 def test_a_slowdown_mid_run_is_rebalanced_without_changing_the_optimisation(tmp_path, monkeypatch) -> None:
     """Both ranks at full speed, so the job starts even; at step 2 rank 1 drops to a 30 % quota. With a probe every 2
     steps the strategy moves samples to rank 0 from a later step, prints it, and after 12 steps the weights are still the
@@ -371,6 +374,7 @@ def test_a_slowdown_mid_run_is_rebalanced_without_changing_the_optimisation(tmp_
 
 @pytest.mark.multiprocess
 @needs_cgroups
+@pytest.mark.serial
 def test_a_pipeline_over_unequal_ranks_gives_the_faster_stage_more_layers(tmp_path, monkeypatch) -> None:
     """pp=2 fixed, rank 1 (the second stage) at a 30 % quota, no cluster file: the job's measurement sees the ranks
     differ, the planner gives the first stage more of the 4 layers (balanced_stage_layers with the stages' speeds),

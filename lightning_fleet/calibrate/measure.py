@@ -297,8 +297,11 @@ def sustained_speed(device: torch.device, dtype: torch.dtype = torch.float32, wi
 
 def measure_ranks(device: torch.device, memory_gib: float, rounds: int = RANK_PROBE_ROUNDS) -> RankMeasures:
     """Every rank's :func:`sustained_speed` in ``rounds`` rounds, all ranks probing together and gathering each round's
-    rates before the next, with each rank's ``memory_gib`` and device identity (collective)."""
-    per_round = [all_ranks_rows(dataclasses.astuple(sustained_speed(device)), device) for _ in range(rounds)]
+    rates before the next, with each rank's ``memory_gib`` and device identity (collective). A job of one process has
+    no rank to compare: one shortest round (two slices, about 20 ms) instead of RANK_PROBE_S."""
+    alone = not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1
+    rounds, seconds = (1, 0.0) if alone else (rounds, None)
+    per_round = [all_ranks_rows(dataclasses.astuple(sustained_speed(device, seconds=seconds)), device) for _ in range(rounds)]
     facts = all_ranks_rows((memory_gib, float(device_identity(device_identity_text(device)))), device)
     return RankMeasures(flops_rounds=tuple(tuple(r[0] for r in rows) for rows in per_round),
                         ops_rounds=tuple(tuple(r[1] for r in rows) for rows in per_round),

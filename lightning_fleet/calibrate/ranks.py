@@ -147,6 +147,8 @@ class RankJudgement:
         """Why the ranks were judged alike or different, with the figures behind it: each rank's GEMM and host rate
         over the round's fastest, round by round, and which ranks report one device."""
         m = self.measures
+        if m.world_size == 1:
+            return "ranks    one process: no other rank to compare, not probed"
         rounds = len(m.flops_rounds)
         groups: dict[int, list[int]] = {}
         for rank, ident in enumerate(m.identity):
