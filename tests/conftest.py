@@ -95,17 +95,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if gpu and not _cuda_available():
         for item in gpu:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
-    if config.pluginmanager.hasplugin("xdist"):
-        for item in items:
-            lane = next((LANES[tier] for tier in LANES if item.get_closest_marker(tier)), None)
-            if lane and not item.get_closest_marker("serial"):
-                item.add_marker(pytest.mark.xdist_group(lane))
-
-
-LANES = {"multiprocess": "jobs", "elastic": "faults"}
-"""Under ``pytest -n 2 --dist loadgroup`` (scripts/suite.py) the tests that start jobs run in two lanes, one xdist
-worker each, so that at most two jobs share the 2 cores: the fault tests (which spend much of their time waiting for
-a kill, a restart or a timeout) beside the other multi-process tests; the one-process tiers fill in around them."""
 
 
 def _cuda_available() -> bool:

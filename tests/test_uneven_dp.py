@@ -8,6 +8,7 @@ Every expected value is a literal or a visible arithmetic expression.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import re
 from pathlib import Path
@@ -343,6 +344,7 @@ def test_a_busy_homogeneous_machine_keeps_the_even_split(tmp_path, monkeypatch) 
     assert "lightning_fleet: rank speeds" not in log, log[-3000:]
 
 
+@functools.cache  # two tests hold their runs against the same reference
 def _throttled_reference(steps: int) -> tuple:
     """The one-process reference of the throttled worker's model (tests/workers/throttled_gpt.py SIZES)."""
     from unittest import mock

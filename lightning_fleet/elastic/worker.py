@@ -404,7 +404,33 @@ def install_error_hook() -> None:
 
 
 def end_job(error: FleetError) -> None:
-    """Print the error once for the job, stop a torchrun agent for a deterministic error, and exit with code 2.
+    """Print the error once for the job, stop a torchrun agent for a deterministic error, and exit with code 2
+    (:func:`_announce`), without the interpreter's teardown (:func:`exit_without_teardown`)."""
+    try:
+        _announce(error)
+    except SystemExit as stop:  # the agent's SIGTERM while this rank waits ends it the same way
+        exit_without_teardown(int(stop.code) if isinstance(stop.code, int) else EXIT_CODE)
+
+
+def exit_without_teardown(code: int) -> None:
+    """Exit with ``code`` after the atexit handlers (the user's, logging's) and a flush of the standard streams, but
+    without the interpreter's teardown. After an error this rank's gloo groups are still alive (a peer may be inside a
+    collective with it, so they are not destroyed: :func:`destroy_groups_at_exit`); the teardown then destroys their
+    C++ worker threads while they are joinable, and the process aborts ("terminate called without an active
+    exception", exit -6 instead of 2: seen on rank 0 under Lightning's launcher, a bad plan refused while rank 1 waited
+    for it, on a loaded machine). Non-daemon threads are not waited for: a job that failed does not hang on one. The
+    operating system frees what the teardown would have."""
+    import atexit
+
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
+def _announce(error: FleetError) -> None:
+    """What :func:`end_job` does before it exits, ending in ``SystemExit(EXIT_CODE)``.
 
     Rank 0 prints ``lightning_fleet: error: <message>``. The other ranks print nothing and wait up to
     :data:`PEER_GRACE_S` for the job to end around them (rank 0 exiting, the agent's SIGTERM); if it does not,

@@ -78,6 +78,9 @@ def main() -> None:
     parser.add_argument("--gbs", type=int, default=8)
     parser.add_argument("--plan", default=None)
     parser.add_argument("--zero-stages", default="0,1,2,3", help="ZeRO stages the planner may use")
+    parser.add_argument("--max-tp", type=int, default=1, help="FleetStrategy(max_tp=...): 1 by default, since these jobs "
+                        "resize and a tensor-parallel checkpoint does not reshard (Capabilities.reshard_data_parallel_only); "
+                        "a calibration taken on a loaded machine made the planner choose tp=2 and the resize fail")
     parser.add_argument("--sleep", type=float, default=0.0)
     parser.add_argument("--sleep-only-alone", action="store_true")
     parser.add_argument("--die-in-save", type=int, default=None)
@@ -94,7 +97,8 @@ def main() -> None:
         accelerator="cpu",
         devices=1,  # deliberately not the launcher's: the strategy takes devices and nodes from torchrun
         strategy=lightning_fleet.FleetStrategy(
-            plan=args.plan, global_batch_size=args.gbs, zero_stages=tuple(int(z) for z in args.zero_stages.split(","))
+            plan=args.plan, global_batch_size=args.gbs, zero_stages=tuple(int(z) for z in args.zero_stages.split(",")),
+            max_tp=args.max_tp,
         ),
         max_steps=args.steps,
         **QUIET_TRAINER,
