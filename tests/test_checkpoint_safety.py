@@ -246,7 +246,6 @@ def test_a_live_holder_is_named_and_a_dead_one_is_taken_over_with_a_line(tmp_pat
 
 
 @pytest.mark.unit
-@pytest.mark.serial
 def test_a_holder_on_another_machine_is_refused_once_its_heartbeat_moves(tmp_path):
     with holder_process(tmp_path, elsewhere=True):
         started = time.monotonic()

@@ -271,7 +271,6 @@ def test_error_line_is_one_printable_bounded_line():
 
 
 @pytest.mark.pure
-@pytest.mark.serial
 def test_the_largest_accepted_sizes_plan_in_bounded_time(capsys, tmp_path):
     """The bounds that keep the planner's loops finite are not a hang at the edge: 2**20 devices, 16,384 layers and a
     global batch of 2**32 plan in seconds (2.5 s measured here); one more of each is refused, the line naming the bound."""

@@ -127,7 +127,6 @@ def test_kill_one_worker_restarts_and_loses_nothing(tmp_path):
     assert "lightning_fleet: resumed from" in (tmp_path / "launch.log").read_text()
 
 
-@pytest.mark.serial
 def test_kill_without_restarts_fails_fast_and_names_the_rank(tmp_path):
     """Scenario 2: with --max-restarts=0 a killed worker ends the job non-zero within seconds, naming it; no orphans."""
     proc = launch(tmp_path, "--steps", "40", "--every", "5", "--sleep", "0.4", "--plan", "dp=2,zero=1", restarts=0)

@@ -42,7 +42,6 @@ def test_script_is_required():
 
 
 @pytest.mark.unit
-@pytest.mark.serial
 def test_unresolvable_endpoint_fails_at_once_with_one_line(capsys):
     """Scenario 11: a rendezvous host that does not exist is one error line and exit 2 within a second, not minutes of retries."""
     started = time.monotonic()
@@ -65,7 +64,6 @@ def test_unreachable_endpoint_fails_within_read_timeout(capsys):
 
 
 @pytest.mark.unit
-@pytest.mark.serial
 def test_silent_endpoint_is_a_bounded_failure(tmp_path):
     """Scenario 11: a port that accepts connections but is no rendezvous store (torchrun alone hangs for good here):
     the launcher exits 2 with one line after join_timeout + read_timeout, and started no worker."""

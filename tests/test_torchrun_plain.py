@@ -190,7 +190,6 @@ def test_rank_zero_prints_one_line_and_exits_2():
 
 
 @pytest.mark.unit
-@pytest.mark.serial
 def test_other_rank_is_quiet_while_rank_zero_ends_the_job_and_speaks_up_when_it_does_not():
     """A rank other than 0 waits for the job to end around it; when nobody ends it, rank 0 had no such error: say it."""
     started = time.monotonic()
@@ -303,7 +302,6 @@ def test_fleet_error_on_one_rank_only_is_still_reported(tmp_path):
 
 
 @pytest.mark.elastic
-@pytest.mark.serial
 def test_deterministic_error_ends_a_plain_torchrun_job_at_once(tmp_path):
     """A bad plan under --max-restarts=3: one attempt (not 4), one error line, no worker traceback; rank 0's local agent is
     stopped by its worker (torchrun then reports its SignalException and exits 1)."""
