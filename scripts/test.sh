@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The test command of the README: set up the environment, then run the whole suite (scripts/suite.py: two parallel
-# lanes, then the serial tests, one closing line). With arguments, they go to a plain pytest run instead.
+# The test command of the README: set up the environment, then run the whole suite (scripts/suite.py: three lanes
+# side by side, then the serial tests alone, one closing line). With arguments, they go to a plain pytest run instead.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup-env.sh

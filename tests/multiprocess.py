@@ -34,7 +34,7 @@ _LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_R
 @functools.cache
 def shared_cache() -> Path:
     """The calibration cache the jobs of one test run share: ``FLEET_TEST_CACHE`` where set (scripts/suite.py sets it
-    for both its phases and all their workers), else a directory made on first use and removed at exit. The first job
+    for every lane), else a directory made on first use and removed at exit. The first job
     of each world shape measures the machine (about 5 s of GEMM, attention and collective probes) and writes it, later
     jobs read it, as a user's later jobs on one host do; each job still probes its ranks at its start. A test about
     measuring or about the cache passes ``private_cache=True``."""
