@@ -18,7 +18,7 @@ import json
 import math
 import os
 import sys
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from lightning_fleet.planning import (
     ClusterSpec,
@@ -44,7 +44,7 @@ from lightning_fleet.planning.cluster import GIB
 from lightning_fleet.planning.overlap import OVERLAP_NAMES, Overlaps
 from lightning_fleet.planning.search import explain_misfit, explain_tight, uneven_split_line
 from lightning_fleet.planning.yamlspec import ascii_int, shown
-from lightning_fleet.runtime import RUNTIMES, capabilities_of
+from lightning_fleet.runtime import AUTO, RUNTIME_NAMES, RUNTIMES, capabilities_of
 from lightning_fleet.runtime.base import Capabilities, ModuleHooks
 
 if TYPE_CHECKING:
@@ -99,11 +99,12 @@ def _add_specs(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--runtime",
         default="any",
-        metavar="{" + ",".join(RUNTIMES) + "}",
+        metavar="{" + ",".join((*RUNTIME_NAMES, AUTO)) + "}",
         help="what must execute the plan: 'any' (default) plans and prices every layout the cost model knows; 'deepspeed' "
         "only what strategy='fleet' runs on DeepSpeed (no sp, no vpp, no selective recomputation, zero <= 1 and no tp "
-        "or offload with pp, the default placement), for --model assuming the module provides fleet_tensor_parallel() "
-        "and fleet_pipeline(), for --module with the hooks it has",
+        "or offload with pp, the default placement); 'torch' what it runs on torch's own stack (zero=0 through DDP); "
+        "'auto' the fastest of those runtimes' best plans, as FleetStrategy(runtime='auto') chooses. For --model "
+        "assuming the module provides fleet_tensor_parallel() and fleet_pipeline(), for --module with the hooks it has",
     )
     parser.add_argument(
         "--overlaps",
@@ -434,6 +435,8 @@ def _run(argv: Sequence[str] | None) -> int:
         check_plot_path(args.plot)
     job = _load(args)
     model, cluster = job.model, job.cluster
+    if args.runtime == AUTO:
+        return _auto(args, job, fixed)
     runtime = capabilities_of(args.runtime)
     if args.command == "estimate":
         chosen = parse_plan(args.plan, global_batch_size=model.global_batch_size)
@@ -465,6 +468,48 @@ def _run(argv: Sequence[str] | None) -> int:
         _print_plan(result, model, cluster)
         if args.plot:
             print(f"plot written to {args.plot}")
+    return 0
+
+
+def _auto(args: argparse.Namespace, job: _Job, fixed: PartialPlan) -> int:
+    """``--runtime auto``: each runtime's estimate of the plan (``estimate``) or its best plan (``plan``), the fastest
+    shown after one line comparing them, as FleetStrategy(runtime='auto') chooses (a tie goes to the first in the
+    table); FleetError naming each runtime's refusal when none executes it."""
+    model, cluster = job.model, job.cluster
+    notes: tuple[str, ...] = ()
+    if job.offline is not None and args.command == "plan":
+        fixed, notes = job.offline.pinned(fixed)
+    runs: list[tuple[float, str, Any]] = []
+    refusals: list[str] = []
+    for runtime in (r.capabilities for r in RUNTIMES):
+        try:
+            if args.command == "estimate":
+                chosen = parse_plan(args.plan, global_batch_size=model.global_batch_size)
+                _refuse_unrunnable(runtime, chosen, job.hooks)
+                found: Any = estimate(model, cluster, chosen, overlaps=_overlaps(args, runtime))
+            else:
+                constraints = _constraints(args, runtime, job.hooks, fixed)
+                if job.offline is not None and job.offline.profile.batch_dependent is not False:
+                    constraints = dataclasses.replace(constraints, search_dp_mbs=False)
+                found = plan(model, cluster, top=args.top, constraints=constraints)
+        except FleetError as err:
+            refusals.append(f"{runtime.name}: {err}")
+            continue
+        runs.append(((found if args.command == "estimate" else found.best).time.step_s, runtime.name, found))
+    if not runs:
+        raise FleetError("no runtime executes this: " + "; ".join(refusals))
+    step_s, name, best = min(runs, key=lambda run: run[0])
+    others = [f"{other} {s:.4g} s/step ({s / step_s:.2f}x)" for s, other, _ in runs if other != name] + refusals
+    line = f"runtime  {name}: predicted {step_s:.4g} s/step; " + ("; ".join(others) or "the only runtime that executes it")
+    _report(job, args, notes=notes)
+    if args.json:
+        print(json.dumps({**_with_module(best.to_dict(), job, notes), "runtime": name, "runtime_line": line}))
+    elif args.command == "estimate":
+        print(line)
+        _print_estimate(best, cluster)
+    else:
+        print(line)
+        _print_plan(best, model, cluster)
     return 0
 
 

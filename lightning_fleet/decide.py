@@ -154,28 +154,33 @@ def decide(
     *,
     world_size: int,
     options: JobOptions,
-    capabilities: Capabilities,
+    runtimes: tuple[Capabilities, ...],
     resume: Resume,
     cluster_notes: tuple[str, ...] = (),
+    runtime_notes: tuple[str, ...] = (),
 ) -> Decision:
-    """The one decision of a fit: the plan (continued, fixed or searched), its estimate and the report (``cluster_notes``:
-    how the caller measured the cluster, e.g. why its ranks were judged alike or different, first among the notes)."""
+    """The one decision of a fit: the runtime and the plan (continued, fixed or searched), its estimate and the report.
+    ``runtimes``: those the job may use, preferred first when their predictions tie (each searched with its own
+    capabilities and overlaps; the fastest executable pair wins). ``cluster_notes``: how the caller measured the
+    cluster (e.g. why its ranks were judged alike or different), first among the notes; ``runtime_notes``: why a
+    runtime is not among ``runtimes`` (not installed, the precision)."""
+    if not runtimes:
+        raise FleetError("no runtime may train this job: " + "; ".join(runtime_notes))
     partial, notes = fixed_axes(module, options)
     notes = [*cluster_notes, *notes]
     if resume.kind is ResumeKind.CONTINUE:
+        capabilities = checkpoint_runtime(resume, runtimes)
         chosen, result = _continued(module, cluster, partial, options, capabilities, resume), None
         notes.append(f"resumed  {resume.path}: its plan continues")
     else:
-        constraints = _constraints(module, options, capabilities, resume)
-        capabilities.check(partial, constraints, module.hooks)
-        if partial.complete:  # everything fixed: train it as given (priced, not searched)
-            narrow(constraints, partial)
-            fixed = partial.to_plan(module.spec.global_batch_size)
-            chosen, result = estimate(module.spec, cluster, fixed, overlaps=capabilities.overlaps), None
-        else:
-            result = search_plans(module.spec, cluster, top=options.top, constraints=narrow(constraints, partial))
-            chosen = result.best
+        allowed = _allowed_runtimes(partial, runtimes, resume)
+        free = replace(partial, runtime=None)
+        executing, refused = _executing(free, allowed, module, options)
+        tried = [(caps, *_planned(module, cluster, free, options, caps, resume)) for caps in executing]
+        capabilities, chosen, result = min(tried, key=lambda t: t[1].time.step_s)  # min keeps the first of equals
+        notes.append(runtime_line(capabilities, chosen, tried, (*refused, *runtime_notes)))
         notes.extend(pipeline_note(chosen.plan))
+    chosen = replace(chosen, plan=chosen.plan.replace(runtime=capabilities.name))
     return Decision(
         plan=chosen.plan,
         estimate=chosen,
@@ -184,6 +189,83 @@ def decide(
         resume=resume,
         report=report_lines(chosen, result, cluster, notes),
     )
+
+
+def _planned(
+    module: ModuleFacts, cluster: ClusterSpec, partial: PartialPlan, options: JobOptions, capabilities: Capabilities, resume: Resume
+) -> tuple[Estimate, PlanResult | None]:
+    """The plan one runtime would train: the fixed plan priced, or the search's best (with its result)."""
+    constraints = _constraints(module, options, capabilities, resume)
+    capabilities.check(partial, constraints, module.hooks)
+    if partial.complete:  # everything fixed: train it as given (priced, not searched)
+        narrow(constraints, partial)
+        fixed = partial.to_plan(module.spec.global_batch_size)
+        return estimate(module.spec, cluster, fixed, overlaps=capabilities.overlaps), None
+    result = search_plans(module.spec, cluster, top=options.top, constraints=narrow(constraints, partial))
+    return result.best, result
+
+
+def _allowed_runtimes(partial: PartialPlan, runtimes: tuple[Capabilities, ...], resume: Resume) -> tuple[Capabilities, ...]:
+    """The runtimes the job may use here: the one the plan fixes (``runtime=``), the one that wrote a checkpoint to be
+    resharded (a checkpoint is resharded by its own runtime), or all of ``runtimes``."""
+    names = [caps.name for caps in runtimes]
+    if resume.kind is ResumeKind.RESHARD:
+        runtimes = (checkpoint_runtime(resume, runtimes),)
+    if partial.runtime is None:
+        return runtimes
+    if partial.runtime not in names:
+        raise FleetError(f"plan {partial} fixes runtime={partial.runtime}, which this job may not use (it may use {', '.join(names)})")
+    kept = tuple(caps for caps in runtimes if caps.name == partial.runtime)
+    if not kept:
+        raise FleetError(f"plan {partial} fixes runtime={partial.runtime}, but checkpoint {resume.path} is resharded by its own runtime, {runtimes[0].name}")
+    return kept
+
+
+def _executing(
+    partial: PartialPlan, runtimes: tuple[Capabilities, ...], module: ModuleFacts, options: JobOptions
+) -> tuple[tuple[Capabilities, ...], tuple[str, ...]]:
+    """Those of ``runtimes`` that execute the axes the user fixed for this module and the job's options, and why each
+    other does not ('torch: plan zero=3: torch runs zero 0 only; ...'); FleetError (one line: each runtime and why not)
+    when none does."""
+    kept, why = [], []
+    for caps in runtimes:
+        refusal = caps.refusal(partial, module.hooks) or caps.job_refusal(require_offload=options.require_offload, zero_stages=options.zero_stages)
+        if refusal is None:
+            kept.append(caps)
+        else:
+            why.append(refusal if len(runtimes) == 1 else f"{caps.name}: {refusal}")
+    if not kept:
+        raise FleetError(why[0] if len(why) == 1 else "no runtime executes this job: " + "; ".join(why))
+    return tuple(kept), tuple(why)
+
+
+def checkpoint_runtime(resume: Resume, runtimes: tuple[Capabilities, ...]) -> Capabilities:
+    """The runtime that wrote the checkpoint ``resume`` continues (its plan's ``runtime``; DeepSpeed for checkpoints
+    written before plans named one), which must be among the job's ``runtimes``."""
+    assert resume.manifest is not None
+    name = parse_partial_plan(resume.manifest.plan or "").runtime or LEGACY_RUNTIME
+    for caps in runtimes:
+        if caps.name == name:
+            return caps
+    raise FleetError(
+        f"checkpoint {resume.path} was written by the {name} runtime, which this job does not use "
+        f"(it may use {', '.join(c.name for c in runtimes)}): allow FleetStrategy(runtime={name!r}) or 'auto' to continue it"
+    )
+
+
+LEGACY_RUNTIME = "deepspeed"
+"""The runtime of a checkpoint whose plan names none (every checkpoint written before there were two)."""
+
+
+def runtime_line(chosen: Capabilities, best: Estimate, tried: list[tuple[Capabilities, Estimate, PlanResult | None]], notes: tuple[str, ...]) -> str:
+    """'runtime  torch: predicted 0.12 s/step; deepspeed 0.13 s/step (1.08x); ...' -- which runtime trains, and why."""
+    others = [
+        f"{caps.name} {other.time.step_s:.4g} s/step ({other.time.step_s / best.time.step_s:.2f}x)"
+        for caps, other, _ in tried if caps is not chosen
+    ]
+    reasons = [*others, *notes]
+    why = "the only runtime that executes it" if not reasons else "; ".join(reasons)
+    return f"runtime  {chosen.name}: predicted {best.time.step_s:.4g} s/step; {why}"
 
 
 def _constraints(module: ModuleFacts, options: JobOptions, capabilities: Capabilities, resume: Resume) -> Constraints:
@@ -216,7 +298,7 @@ def _continued(
 ) -> Estimate:
     """The checkpoint's plan, if this job may run it and fixes nothing else."""
     assert resume.manifest is not None
-    resumed = parse_plan(resume.manifest.plan or "", global_batch_size=module.spec.global_batch_size)
+    resumed = parse_plan(resume.manifest.plan or "", global_batch_size=module.spec.global_batch_size).replace(runtime=capabilities.name)
     clash = {k: v for k, v in partial.fixed.items() if getattr(resumed, k) != v}
     if clash and set(clash) <= _SPLIT_KEYS:  # the same layout, the batch split another way: the checkpoint loads as is
         resumed, clash = _with_split(resumed, partial, module), {}

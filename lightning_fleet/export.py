@@ -8,10 +8,9 @@ full fp32 weights with exactly the keys and shapes of the user's LightningModule
 memory-mapped, one after another; only the weights are copied out.
 
 This is the runtime-neutral facade: it finds the checkpoint (:func:`locate`), reads the layout file that every save
-writes next to the runtime's files, and hands the directory to the reader of the layout's ``format`` (``_READERS``;
-DeepSpeed's is :mod:`lightning_fleet.runtime.deepspeed.reader`, the only one). The live side -- a running job's full
-weights, the user's module handed back after fit, the layout written on save -- is
-:mod:`lightning_fleet.runtime.deepspeed.weights`.
+writes next to the runtime's files, and hands the directory to the reader of the runtime whose layout ``format`` it
+records (the runtime table, :data:`lightning_fleet.runtime.RUNTIMES`). The live side -- a running job's full weights,
+the user's module handed back after fit, the layout written on save -- is each runtime's own.
 
 Imports torch, no deepspeed and nothing live. Imported by users, the CLI (``fleet export``) and the strategy (evaluating
 a checkpoint of any plan).
@@ -30,11 +29,8 @@ import torch
 from lightning_fleet.elastic.checkpoint import newest_verified
 from lightning_fleet.elastic.layout import EXPORT_LAYOUT, MANIFEST, STATE, STEP_PREFIX, verify
 from lightning_fleet.planning import FleetError
-from lightning_fleet.runtime.deepspeed import reader as deepspeed_reader
-from lightning_fleet.runtime.deepspeed.weights import LAYOUT_FORMAT, save_atomic
-
-_READERS = {LAYOUT_FORMAT: deepspeed_reader.read}
-"""Layout format -> the reader of the files its runtime wrote: (directory, layout) -> (state_dict, Lightning's client state)."""
+from lightning_fleet.runtime import RUNTIMES, runtime_of_format
+from lightning_fleet.runtime.common import save_atomic
 
 
 def export_state_dict(checkpoint: str | Path) -> dict[str, torch.Tensor]:
@@ -77,7 +73,7 @@ def lightning_checkpoint(checkpoint: str | Path) -> dict[str, Any]:
 
 def _read(source: Source) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """(state_dict, Lightning's client state), from the reader of the runtime that wrote the checkpoint."""
-    return _READERS[source.layout["format"]](source.directory, source.layout)
+    return runtime_of_format(str(source.layout["format"])).load_reader()(source.directory, source.layout)
 
 
 def _plain(value: Any) -> Any:
@@ -138,15 +134,18 @@ def locate(checkpoint: str | Path) -> Source:
 def _read_layout(directory: Path) -> dict[str, Any]:
     layout_path = directory / EXPORT_LAYOUT
     if not layout_path.is_file():
-        reason = deepspeed_reader.without_layout(directory)
+        from lightning_fleet.runtime.deepspeed.reader import without_layout  # the files a save without a layout holds
+
+        reason = without_layout(directory)
         raise FleetError(reason or f"{directory} is not a checkpoint: no {MANIFEST}, no {EXPORT_LAYOUT}, no DeepSpeed files")
     try:
         layout = json.loads(layout_path.read_text())
     except ValueError:
         raise FleetError(f"{layout_path} is not valid JSON (corrupted); use another checkpoint") from None
     found = layout.get("format") if isinstance(layout, dict) else None
-    if not isinstance(found, str) or found not in _READERS:
-        readable = " or ".join(repr(known) for known in _READERS)
+    formats = [runtime.layout_format for runtime in RUNTIMES]
+    if not isinstance(found, str) or found not in formats:
+        readable = " or ".join(map(repr, formats))
         raise FleetError(
             f"{layout_path} has layout format {found!r}; this lightning_fleet reads {readable}: "
             "export it with the version that wrote it"

@@ -71,16 +71,19 @@ from lightning_fleet.calibrate.ranks import rebalance_by  # noqa: E402
 from lightning_fleet.profiling import Profile, profile  # noqa: E402
 from lightning_fleet.progress import FleetProgress  # noqa: E402
 from lightning_fleet.rng import RngState  # noqa: E402
-from lightning_fleet.runtime.deepspeed.backend import DeepSpeedBackend  # noqa: E402
+from lightning_fleet.runtime import AUTO, RUNTIMES, Runtime, runtime_named  # noqa: E402
 from lightning_fleet.strategy_names import PRESETS  # noqa: E402
 
 
-class FleetStrategy(DeepSpeedStrategy):
+class FleetStrategy(DDPStrategy):
     """Chooses the parallel layout (ZeRO stage, offload, tp, micro-batch, accumulation, recomputation) and trains it.
 
     ``Trainer(strategy="fleet")`` after ``import lightning_fleet``; or ``FleetStrategy(...)`` with:
 
     Args:
+        runtime: what executes the plan: ``"auto"`` (the default: the planner prices each installed runtime's best plan
+            and trains the fastest; a tie goes to the first in :data:`lightning_fleet.runtime.RUNTIMES`), ``"torch"``
+            (torch's own DistributedDataParallel) or ``"deepspeed"``.
         plan: fix axes of the layout, e.g. ``"zero=3"`` or ``"dp=2,zero=3,mbs=4"``: the keys given are fixed, the planner
             chooses the rest (validated against the world, the module and the runtime); None: plan everything.
         global_batch_size: samples per optimizer step; None: the training DataLoader's batch size
@@ -128,6 +131,21 @@ class FleetStrategy(DeepSpeedStrategy):
 
     strategy_name = "fleet"
 
+    def __new__(cls, *args: Any, runtime: str = AUTO, **kwargs: Any) -> "FleetStrategy":
+        """``FleetStrategy(...)`` builds the face of the runtime asked for: Lightning chooses the precision plugin (and a
+        few callbacks' behaviour) by the strategy's class when the Trainer is built, before any plan exists. Under
+        ``runtime="auto"`` it is DeepSpeed's face when DeepSpeed is installed (its Lightning class holds every attribute
+        the torch face's does: DeepSpeedStrategy derives from DDPStrategy), and :meth:`_become` turns it into the
+        chosen runtime's face at setup."""
+        if cls is not FleetStrategy:
+            return super().__new__(cls)
+        if runtime == AUTO:
+            installed = [r for r in RUNTIMES if r.installed()]
+            chosen = next((r for r in installed if r.name == "deepspeed"), installed[0] if installed else RUNTIMES[0])
+        else:
+            chosen = _installed_runtime(runtime)
+        return super().__new__(globals()[chosen.face])
+
     def __init__(
         self,
         plan: str | None = None,
@@ -149,6 +167,7 @@ class FleetStrategy(DeepSpeedStrategy):
         hand_back: bool = True,
         rebalance_every_n_steps: int | None = None,
         non_finite: str = "stop",
+        runtime: str = AUTO,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -193,8 +212,10 @@ class FleetStrategy(DeepSpeedStrategy):
             choices = ", ".join(map(repr, NON_FINITE_POLICIES))
             raise FleetError(f"FleetStrategy(non_finite={non_finite!r}): must be one of {choices}")
         self.non_finite = non_finite
-        self.backend = DeepSpeedBackend()
-        """The runtime that applies the decision."""
+        self.runtime = runtime if runtime == AUTO else _installed_runtime(runtime).name
+        """The runtime asked for: a name, or "auto" (the decision's ``runtime`` says which one trains)."""
+        self.backend = _face_runtime(type(self)).load_backend()
+        """The runtime that applies the decision (the face's; the chosen runtime's from setup on)."""
         self.decision: Decision | None = None
         """What this fit decided at setup (plan, estimate, cluster, resume); read-only afterwards."""
         self.profile: Profile | None = None
@@ -257,35 +278,35 @@ class FleetStrategy(DeepSpeedStrategy):
             self.num_nodes = world // local
         super()._configure_launcher()
 
-    def setup_environment(self) -> None:
-        """DeepSpeedStrategy refuses non-CUDA accelerators; on CPU take the DDP path (gloo)."""
-        if self.root_device.type == "cuda":
-            super().setup_environment()
-        else:
-            DDPStrategy.setup_environment(self)
-
     def setup_distributed(self) -> None:
-        """DeepSpeed's device-index check rejects CPU devices (index None); skip it there."""
-        if self.root_device.type == "cuda":
-            return super().setup_distributed()
+        """Seeds, ranks, and the process group (:meth:`_open_process_group`)."""
         reset_seed()
         self.set_world_ranks()
-        self._init_deepspeed_distributed()
+        self._open_process_group()
 
-    def _init_deepspeed_distributed(self) -> None:
+    def _open_process_group(self) -> None:
         """Under plain torchrun, open the process group on a store prefix of this attempt's own, so a restart never reads
-        a dead attempt's addresses (lightning_fleet.elastic.worker); DeepSpeed adopts the group. Then put the one-line
-        FleetError hook back outside the one ``init_process_group`` installs (it would swallow the line); say what only
-        the launch command can fix (an elastic plain-torchrun job). Every step of this fit is supervised
-        (:meth:`_supervise`)."""
+        a dead attempt's addresses (lightning_fleet.elastic.worker); the runtime adopts the group
+        (:meth:`_adopt_process_group`). Then put the one-line FleetError hook back outside the one
+        ``init_process_group`` installs (it would swallow the line); say what only the launch command can fix (an
+        elastic plain-torchrun job). Every step of this fit is supervised (:meth:`_supervise`)."""
         self._supervise()
         device = self.root_device if self.root_device.type == "cuda" else None
         open_process_group(self._get_process_group_backend(), self.global_rank, self.world_size, self._timeout, device_id=device)
         destroy_groups_at_exit()
-        with noise.without_banner():
-            super()._init_deepspeed_distributed()
+        self._adopt_process_group()
         install_error_hook()
         announce_launch_advice(self.global_rank)
+
+    def _adopt_process_group(self) -> None:
+        """The default group for the runtime: torch uses the one opened on the agent's store as it is, or (Lightning's
+        own launcher, a store of its own per attempt) opens it as Lightning's DDP does."""
+        from lightning.fabric.utilities.distributed import _init_dist_connection
+
+        self._process_group_backend = self._get_process_group_backend()
+        device = self.root_device if self.root_device.type != "cpu" else None
+        assert self.cluster_environment is not None
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device)
 
     def _supervise(self) -> None:
         """For this fit (undone at teardown): every process group torch or DeepSpeed creates gets ``timeout`` (torch's
@@ -307,26 +328,6 @@ class FleetStrategy(DeepSpeedStrategy):
     def _get_process_group_backend(self) -> str:
         return self._process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
 
-    def _format_batch_size_and_grad_accum_config(self) -> None:
-        """Micro-batch and accumulation come from the plan, not from the Trainer's flags."""
-        assert isinstance(self.config, dict)
-        if self.plan is None:  # Lightning may read the config before a fit planned it (e.g. tensor_init_context)
-            self.config.setdefault("train_micro_batch_size_per_gpu", 1)
-            self.config.setdefault("gradient_accumulation_steps", 1)
-
-    def _init_optimizers(self) -> tuple[Any, Any]:
-        """The runtime drives one optimizer (and one optional scheduler): refuse more before training, in one line."""
-        from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
-
-        optimizers, schedulers = _init_optimizers_and_lr_schedulers(self.lightning_module)
-        if len(optimizers) != 1 or len(schedulers) > 1:
-            raise FleetError(
-                f"{type(self.lightning_module).__name__}.configure_optimizers() returns {len(optimizers)} optimizers and "
-                f"{len(schedulers)} schedulers; strategy 'fleet' trains through DeepSpeed, which drives exactly one optimizer and "
-                "at most one scheduler: combine the parameter groups into one optimizer (or use another strategy)"
-            )
-        return optimizers[0], schedulers[0] if schedulers else None
-
     # --- setup: decide once, then apply ---------------------------------------------------------------
 
     def setup(self, trainer) -> None:  # type: ignore[no-untyped-def]
@@ -337,15 +338,13 @@ class FleetStrategy(DeepSpeedStrategy):
             return
         with deterministic_errors():  # every attempt of this job would raise them again: no restart loop
             _check_trainer_flags(trainer)
-            refusal = self.backend.precision_refusal(str(trainer.precision), self.root_device.type)
-            if refusal is not None:
-                raise FleetError(refusal)
             fit = self._fit
             seed = self.broadcast(_sampler_seed())  # rank 0's: ranks seeded apart (seed + rank) still read one order
             fit.facts = job_facts(self.lightning_module, global_batch_size=self.options.global_batch_size, data_seed=seed)
             directory = self._attach_callbacks(trainer)
             fit.data = inspect_training_loader(_user_training_loader(trainer))
             self.decision = self._decide(trainer, directory)
+            self._become(self.decision.runtime)
             self._apply(trainer)
             self._use_training_precision()
             super().setup(trainer)
@@ -395,11 +394,13 @@ class FleetStrategy(DeepSpeedStrategy):
         facts = self._profile(trainer, fit.data, gbs)
         profiled = time.perf_counter()
 
+        runtimes, runtime_notes = self._usable_runtimes(str(trainer.precision))
+
         def decide_here() -> Decision:
             resume = resume_of(path, manifest, self.world_size)
-            capabilities = self.backend.capabilities
-            decision = decide(facts, cluster, world_size=self.world_size, options=self.options, capabilities=capabilities,
-                              resume=resume, cluster_notes=(fit.ranks_line,) if fit.ranks_line else ())
+            decision = decide(facts, cluster, world_size=self.world_size, options=self.options,
+                              runtimes=tuple(r.capabilities for r in runtimes), resume=resume,
+                              cluster_notes=(fit.ranks_line,) if fit.ranks_line else (), runtime_notes=runtime_notes)
             print("\n".join(decision.report), flush=True)  # logged once, by the rank that decided
             return decision
 
@@ -411,6 +412,32 @@ class FleetStrategy(DeepSpeedStrategy):
             "plan_s": time.perf_counter() - profiled,
         }
         return decision
+
+    def _usable_runtimes(self, precision: str) -> tuple[list[Runtime], tuple[str, ...]]:
+        """The runtimes this fit may use (the one asked for, or under "auto" every installed one), those whose backend
+        refuses the Lightning ``precision`` on this device left out, and a note for each left out."""
+        asked = [runtime_named(self.runtime)] if self.runtime != AUTO else [r for r in RUNTIMES if r.installed()]
+        usable, notes = [], []
+        for runtime in asked:
+            backend = self.backend if runtime.backend == _face_runtime(type(self)).backend else runtime.load_backend()
+            refusal = backend.precision_refusal(precision, self.root_device.type)
+            if refusal is None:
+                usable.append(runtime)
+            elif len(asked) == 1:
+                raise FleetError(refusal)
+            else:
+                notes.append(f"not {runtime.name}: {refusal}")
+        return usable, tuple(notes)
+
+    def _become(self, name: str) -> None:
+        """Turn into the face of the runtime the decision chose (the same object: the Trainer holds it): its class, its
+        backend, and the precision plugin Lightning would have built for that class."""
+        runtime = runtime_named(name)
+        if type(self).__name__ == runtime.face:
+            return
+        self.__class__ = globals()[runtime.face]
+        self.backend = runtime.load_backend()
+        self.precision_plugin = _autocast_precision(str(self.precision_plugin.precision), self.root_device.type)
 
     def _profile(self, trainer, data: TrainingData, global_batch_size: int) -> ModuleFacts:  # type: ignore[no-untyped-def]
         """Profile the module on the first samples of its training data (every rank; nothing of the module changes) and
@@ -469,7 +496,7 @@ class FleetStrategy(DeepSpeedStrategy):
             self._fit.universal = self._on_rank_zero(lambda: self.backend.reshard(verified))
         module = self.lightning_module
         tp = tensor_parallel_hook(module)
-        self.config = self.backend.config(
+        self._fit.runtime_config = self.backend.config(
             decision.plan,
             gradient_clipping=float(trainer.gradient_clip_val or 0.0),
             device_type=self.root_device.type,
@@ -479,7 +506,7 @@ class FleetStrategy(DeepSpeedStrategy):
         for obj, name, value in self.backend.module_patches(module, decision.plan, find_layers(module)):
             self._patch(obj, name, value)
 
-    def _setup_model_and_optimizer(self, model, optimizer, lr_scheduler=None):  # type: ignore[no-untyped-def]
+    def _build_engine(self, model: Any, optimizer: Any, lr_scheduler: Any = None) -> tuple[Any, Any]:
         """The runtime's engine over the module (recorded first: what the end of fit hands back)."""
         assert self.plan is not None
         self._fit.module_record = self.backend.record(model)  # before the runtime changes it
@@ -491,7 +518,7 @@ class FleetStrategy(DeepSpeedStrategy):
             optimizer,
             lr_scheduler,
             plan=self.plan,
-            config=self.config,
+            config=self._fit.runtime_config,
             device_rank=self.local_rank if self.root_device.index is None else self.root_device.index,
             layer_type=type(layers[0]).__name__ if layers else None,
         )
@@ -561,8 +588,9 @@ class FleetStrategy(DeepSpeedStrategy):
         self._undo_module_patches()
 
     @property
-    def deepspeed_engine(self) -> Any:
-        """The engine of the last fit (it still saves checkpoints after the module was handed back for evaluation)."""
+    def _engine(self) -> Any:
+        """The runtime's engine of the last fit (it still saves checkpoints after the module was handed back for
+        evaluation)."""
         return self._fit.engine if self._fit.engine is not None else self.model
 
     def _engine_in_use(self) -> bool:
@@ -576,7 +604,7 @@ class FleetStrategy(DeepSpeedStrategy):
         record = self._fit.module_record
         if self._fit.engine is None or record is None or not self.hand_back:
             return
-        needed = self.num_processes * sum(4 * math.prod(t.shape) for t in record.tensors if t.alias_of is None)
+        needed = self.num_processes * self.backend.hand_back_bytes(record)
         available = across_ranks(float(psutil.virtual_memory().available), self.root_device)  # the least free
         if needed > 0.8 * available:
             if self.is_global_zero:
@@ -591,19 +619,9 @@ class FleetStrategy(DeepSpeedStrategy):
 
     def _use_evaluation_precision(self) -> None:
         """Without an engine, mixed precision is autocast (DeepSpeed casts the module itself during fit)."""
-        from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision
-        from lightning.pytorch.plugins.precision import Precision as PlainPrecision
-
         if self._fit.training_precision is None:
             self._fit.training_precision = self.precision_plugin
-        name = str(self._fit.training_precision.precision)
-        if name.endswith("-mixed"):
-            plugin: Any = MixedPrecision(name, self.root_device.type)  # type: ignore[arg-type]
-        elif name.endswith("-true") and not name.startswith("32"):
-            plugin = HalfPrecision(name)  # type: ignore[arg-type]
-        else:
-            plugin = PlainPrecision()
-        self.precision_plugin = plugin
+        self.precision_plugin = _autocast_precision(str(self._fit.training_precision.precision), self.root_device.type)
 
     def _use_training_precision(self) -> None:
         if self._fit.training_precision is not None:
@@ -667,10 +685,12 @@ class FleetStrategy(DeepSpeedStrategy):
             return self._pipeline_step(batch)
         if not self.lightning_module.automatic_optimization:  # the plan has one micro-batch; the user steps
             return super().training_step(batch[0], *rest, **kwargs)
+        self._zero_gradients()
         losses = []
         for micro in batch[:-1]:
-            loss = _loss_of(super().training_step(micro, *rest, **kwargs))
-            self.backend.accumulate(self.deepspeed_engine, self._weighted(loss))
+            with self.backend.no_sync(self._engine):
+                loss = _loss_of(super().training_step(micro, *rest, **kwargs))
+                self.backend.accumulate(self._engine, self._weighted(loss), self._micro_backward)
             losses.append(loss.detach())
         output = super().training_step(batch[-1], *rest, **kwargs)
         last = _loss_of(output)
@@ -679,10 +699,27 @@ class FleetStrategy(DeepSpeedStrategy):
         shown = last + (mean - last.detach())
         return {**output, "loss": shown} if isinstance(output, Mapping) else shown
 
+    def _zero_gradients(self) -> None:
+        """Before a step's first micro-batch, when the runtime does not zero gradients itself: the module's own
+        ``optimizer_zero_grad`` for each optimizer (Lightning's call of it between micro-batches is replaced for the fit,
+        Backend.module_patches)."""
+        if self.backend.zeroes_gradients:
+            return
+        module = self.lightning_module
+        trainer = module.trainer
+        for optimizer in self.optimizers:
+            type(module).optimizer_zero_grad(module, trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_idx, optimizer)
+
+    def _micro_backward(self, loss: torch.Tensor) -> None:
+        """Lightning's backward of a weighted micro-batch loss (the precision plugin and the module's backward hooks), for
+        a runtime whose engine has no backward of its own."""
+        optimizer = self.optimizers[0] if self.optimizers else None
+        super().backward(loss, optimizer)
+
     def _pipeline_step(self, batch: MicroBatches) -> torch.Tensor:
         """One optimizer step through the pipeline schedule; Lightning's automatic loop only counts it, steps the
         schedulers and logs."""
-        loss = self.backend.pipeline_step(self.deepspeed_engine, batch)
+        loss = self.backend.pipeline_step(self._engine, batch)
         self.lightning_module.log("train_loss", loss, prog_bar=True)
         return loss
 
@@ -779,7 +816,7 @@ class FleetStrategy(DeepSpeedStrategy):
         if storage_options is not None:
             raise TypeError(f"Trainer.save_checkpoint(storage_options=...) is not supported by {type(self).__name__}: its checkpoints are directories")
         filepath = self.broadcast(filepath)  # every rank saves into rank 0's path
-        self.backend.save(self.deepspeed_engine, filepath, checkpoint)
+        self.backend.save(self._engine, filepath, checkpoint)
         self.backend.write_layout(self, filepath, self._fit.module_record)  # every rank (collective for ZeRO-0 fp16/bf16 masters); rank 0 writes
         self.barrier("fleet-layout-written")
 
@@ -803,14 +840,14 @@ class FleetStrategy(DeepSpeedStrategy):
             raise FleetError(f"checkpoint {path} was not the one this fit decided to continue at setup; pass it as ckpt_path")
         _check_is_directory(path)
         strict = self.lightning_module.strict_loading
-        return self.backend.load(self.deepspeed_engine, path, optimizer_states=True, strict=strict, checkpoint=None)
+        return self.backend.load(self._engine, path, optimizer_states=True, strict=strict, checkpoint=None)
 
     def _load_decided(self, path: Path, resume: Resume) -> dict[str, Any]:
         """The FleetCheckpoint step the decision continues: its universal form when resharded, else its shards and this
         rank's RNG state."""
         manifest, strict = resume.manifest, self.lightning_module.strict_loading
         assert manifest is not None
-        engine = self.deepspeed_engine
+        engine = self._engine
         if resume.kind is ResumeKind.RESHARD:
             assert self._fit.universal is not None
             state = self.backend.load(engine, self.backend.derived_of(path), optimizer_states=True, strict=strict, checkpoint=self._fit.universal)
@@ -829,17 +866,105 @@ class FleetStrategy(DeepSpeedStrategy):
         return state
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        """Evaluation loads the full weights into the module; a fit's engine loaded its shards in load_checkpoint."""
+        """Evaluation loads the full weights into the module; a fit's engine loaded its state in load_checkpoint."""
         if self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
             self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=strict)
-            return
-        super().load_model_state_dict(checkpoint, strict)
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         """``fleet`` (plan everything), ``fleet_zero3`` (ZeRO-3 only), ``fleet_offload`` (offload required)."""
         for name, (description, init_params) in PRESETS.items():
             strategy_registry.register(name, cls, description=description, override=True, **init_params)
+
+
+class DeepSpeedFleetStrategy(FleetStrategy, DeepSpeedStrategy):
+    """FleetStrategy's face for the DeepSpeed runtime: Lightning's DeepSpeedStrategy, whose precision plugin
+    (DeepSpeedPrecision) runs backward and the optimizer step through the engine. Only what DeepSpeed's Lightning
+    class needs lives here; everything else is FleetStrategy's."""
+
+    def setup_environment(self) -> None:
+        """DeepSpeedStrategy refuses non-CUDA accelerators; on CPU take the DDP path (gloo)."""
+        if self.root_device.type == "cuda":
+            DeepSpeedStrategy.setup_environment(self)
+        else:
+            DDPStrategy.setup_environment(self)
+
+    def setup_distributed(self) -> None:
+        """DeepSpeed's device-index check rejects CPU devices (index None): FleetStrategy's path there."""
+        if self.root_device.type == "cuda":
+            return DeepSpeedStrategy.setup_distributed(self)  # calls _init_deepspeed_distributed
+        return FleetStrategy.setup_distributed(self)
+
+    def _init_deepspeed_distributed(self) -> None:
+        """DeepSpeedStrategy's group set-up on CUDA: FleetStrategy's own (which lets DeepSpeed adopt it)."""
+        self._open_process_group()
+
+    def _adopt_process_group(self) -> None:
+        """DeepSpeed adopts the open default group (``deepspeed.init_distributed``), its banner silenced."""
+        with noise.without_banner():
+            DeepSpeedStrategy._init_deepspeed_distributed(self)
+
+    def _apply(self, trainer) -> None:  # type: ignore[no-untyped-def]
+        """FleetStrategy's apply; DeepSpeedStrategy reads the runtime's configuration as ``self.config``."""
+        super()._apply(trainer)
+        self.config = self._fit.runtime_config
+
+    def _format_batch_size_and_grad_accum_config(self) -> None:
+        """Micro-batch and accumulation come from the plan, not from the Trainer's flags."""
+        assert isinstance(self.config, dict)
+        if self.plan is None:  # Lightning may read the config before a fit planned it (e.g. tensor_init_context)
+            self.config.setdefault("train_micro_batch_size_per_gpu", 1)
+            self.config.setdefault("gradient_accumulation_steps", 1)
+
+    def _init_optimizers(self) -> tuple[Any, Any]:
+        """The runtime drives one optimizer (and one optional scheduler): refuse more before training, in one line."""
+        from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
+
+        optimizers, schedulers = _init_optimizers_and_lr_schedulers(self.lightning_module)
+        if len(optimizers) != 1 or len(schedulers) > 1:
+            raise FleetError(
+                f"{type(self.lightning_module).__name__}.configure_optimizers() returns {len(optimizers)} optimizers and "
+                f"{len(schedulers)} schedulers; strategy 'fleet' trains through DeepSpeed, which drives exactly one optimizer and "
+                "at most one scheduler: combine the parameter groups into one optimizer (or use another strategy)"
+            )
+        return optimizers[0], schedulers[0] if schedulers else None
+
+    def _setup_model_and_optimizer(self, model, optimizer, lr_scheduler=None):  # type: ignore[no-untyped-def]
+        """DeepSpeedStrategy's engine seam: the runtime's engine (FleetStrategy._build_engine)."""
+        return self._build_engine(model, optimizer, lr_scheduler)
+
+    @property
+    def deepspeed_engine(self) -> Any:
+        """The engine of the last fit (it still saves checkpoints after the module was handed back for evaluation)."""
+        return self._engine
+
+
+class TorchFleetStrategy(FleetStrategy):
+    """FleetStrategy's face for the torch runtime: Lightning's DDPStrategy (its precision plugins: autocast for
+    "-mixed", the module cast for "-true"), whose ``configure_ddp`` builds the runtime's engine instead of a plain DDP
+    wrapper. Only what DDPStrategy needs lives here; everything else is FleetStrategy's."""
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        """A fit's checkpoint loads into the engine, which exists only after setup."""
+        return True
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        """The engine loads the optimizer's state with the weights (load_checkpoint), not Lightning."""
+        return False
+
+    def configure_ddp(self) -> None:
+        """The runtime's engine over the module (DDPStrategy.setup calls this before it sets up the optimizers)."""
+        self.model, _ = self._build_engine(self.model, None)
+
+    def setup_optimizers(self, trainer) -> None:  # type: ignore[no-untyped-def]
+        """Lightning's optimizers over the engine's parameters, then handed to the runtime (a shard level may wrap them)."""
+        super().setup_optimizers(trainer)
+        self.optimizers = [self.backend.optimizer(self._fit.engine, optimizer, plan=self.plan) for optimizer in self.optimizers]
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """A fit's engine loaded the optimizer's state in load_checkpoint."""
 
 
 class _FitState:
@@ -851,6 +976,7 @@ class _FitState:
         self.universal: VerifiedCheckpoint | None = None  # the decided checkpoint listing its resharded form (rank 0 converted it)
         self.engine: Any = None  # the runtime's engine of the last fit (kept for saving after evaluation)
         self.module_record: Any = None  # what the backend's hand_back restores at the end of fit
+        self.runtime_config: Any = None  # the runtime's configuration of the decided plan (Backend.config)
         self.restorers: list[Any] = []  # how to undo this fit's module patches
         self.training_precision: Any = None  # DeepSpeed's precision plugin while an evaluation uses a plain one
         self.shares: ShareSchedule | None = None  # the replicas' shares by step (the sampler cuts by it, losses are weighted by it)
@@ -881,6 +1007,37 @@ def _check_trainer_flags(trainer) -> None:  # type: ignore[no-untyped-def]
             "the strategy reads the training data once at setup and keys its order by the global step; vary the data "
             "inside your Dataset (e.g. by its set_epoch) instead"
         )
+
+
+def _autocast_precision(name: str, device_type: str) -> Any:
+    """The precision plugin Lightning's accelerator connector builds for a DDP-class strategy and the Lightning
+    ``precision`` ``name``: autocast for "-mixed", the module cast for "-true" half types, plain fp32 otherwise."""
+    from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision
+    from lightning.pytorch.plugins.precision import Precision as PlainPrecision
+
+    if name.endswith("-mixed"):
+        return MixedPrecision(name, device_type)  # type: ignore[arg-type]
+    if name.startswith("64"):
+        return DoublePrecision()
+    if name.endswith("-true") and not name.startswith("32"):
+        return HalfPrecision(name)  # type: ignore[arg-type]
+    return PlainPrecision()
+
+
+def _installed_runtime(name: str) -> Runtime:
+    """The runtime called ``name`` when it can be imported here; FleetError (one line) otherwise."""
+    runtime = runtime_named(name)
+    if not runtime.installed():
+        raise FleetError(
+            f"FleetStrategy(runtime={name!r}): {runtime.requires} cannot be imported here; install it, or use runtime='auto' "
+            f"(the installed ones: {', '.join(r.name for r in RUNTIMES if r.installed()) or 'none'})"
+        )
+    return runtime
+
+
+def _face_runtime(face: type) -> Runtime:
+    """The runtime whose face ``face`` is."""
+    return next(r for r in RUNTIMES if r.face == face.__name__)
 
 
 def _check_is_directory(path: Path) -> None:

@@ -15,7 +15,8 @@ import pytest
 
 from lightning_fleet.cli import main
 from lightning_fleet.planning import Constraints, FleetError, Overlaps, Plan, Recompute, parse_partial_plan
-from lightning_fleet.runtime import RUNTIMES, capabilities_of
+from lightning_fleet.runtime import RUNTIME_NAMES, RUNTIMES, capabilities_of, runtime_named, runtime_of_format
+from lightning_fleet.runtime.torch.capabilities import TORCH
 from lightning_fleet.runtime.base import ANY, ModuleHooks
 from lightning_fleet.runtime.deepspeed.capabilities import DEEPSPEED
 
@@ -179,12 +180,44 @@ def test_reshard_without_a_zero_stage_it_loads_is_one_line() -> None:
 # --- the registry --------------------------------------------------------------------------------------------------------
 
 
-def test_registry_knows_any_and_deepspeed() -> None:
-    assert RUNTIMES == ("any", "deepspeed")
-    assert capabilities_of("deepspeed") is DEEPSPEED and capabilities_of("any") is ANY
+def test_the_runtime_table_names_each_runtime_once_with_its_parts() -> None:
+    """One table: every runtime's capabilities, backend, reader and face, by name; 'any' is the cost model's space."""
+    assert RUNTIME_NAMES == ("any", "torch", "deepspeed")
+    assert capabilities_of("deepspeed") is DEEPSPEED and capabilities_of("any") is ANY and capabilities_of("torch") is TORCH
+    assert [r.name for r in RUNTIMES] == ["torch", "deepspeed"]
+    assert len({r.layout_format for r in RUNTIMES}) == len({r.face for r in RUNTIMES}) == len(RUNTIMES)
+    assert runtime_of_format("lightning_fleet.layout/1") is runtime_named("deepspeed")  # checkpoints written before the table
     with pytest.raises(FleetError) as err:
         capabilities_of("bogus")
-    assert str(err.value) == "unknown runtime 'bogus' (known: any, deepspeed)"
+    assert str(err.value) == "unknown runtime 'bogus' (known: any, torch, deepspeed)"
+    with pytest.raises(FleetError, match="unknown runtime 'ddp' \\(known: torch, deepspeed, or 'auto'"):
+        runtime_named("ddp")
+    with pytest.raises(FleetError, match="layout format 'x/1' is not one lightning_fleet writes"):
+        runtime_of_format("x/1")
+
+
+def test_torch_runs_shard_level_zero_only_and_says_what_to_use_for_the_rest() -> None:
+    """A plan on an axis the torch runtime does not run is refused in one line naming the axis; the constraints it
+    hands the planner leave those axes out."""
+    module = hooks()
+    for plan, why in (
+        ("zero=3", "torch runs zero 0 only; use one of them"),
+        ("tp=2", "torch runs no tensor parallelism; use tp=1"),
+        ("pp=2", "torch runs no pipelines; use pp=1"),
+        ("zero=0,offload=optimizer", None),  # offload needs zero >= 1: the plan itself refuses it
+    ):
+        if why is None:
+            with pytest.raises(FleetError):
+                parse_partial_plan(plan)
+            continue
+        assert TORCH.refusal(parse_partial_plan(plan), module) == f"plan {plan}: {why}"
+    assert TORCH.refusal(parse_partial_plan("zero=0,dp=2"), module) is None
+    constraints = TORCH.constraints(module, max_tp=8, max_pp=8)
+    assert (constraints.zero_stages, constraints.max_tp, constraints.max_pp, constraints.allow_offload) == ((0,), 1, 1, False)
+    assert TORCH.job_refusal(require_offload=True, zero_stages=(0, 1, 2, 3)) == "torch runs no offload, and FleetStrategy(require_offload=True)"
+    assert TORCH.job_refusal(require_offload=False, zero_stages=(3,)) == "torch runs zero 0, and FleetStrategy(zero_stages=(3,))"
+    assert TORCH.job_refusal(require_offload=False, zero_stages=(0, 3)) is None
+    assert DEEPSPEED.job_refusal(require_offload=True, zero_stages=(3,)) is None
 
 
 # --- fleet plan / estimate --runtime -------------------------------------------------------------------------------------
@@ -233,7 +266,7 @@ def test_fleet_plan_default_runtime_is_any(capsys) -> None:
 
 @pytest.mark.parametrize(("argv", "message"), [
     (("plan", "--model", "gpt-tiny", "--cluster", "cpu", "--runtime", "bogus"),
-     "unknown runtime 'bogus' (known: any, deepspeed)"),
+     "unknown runtime 'bogus' (known: any, torch, deepspeed)"),
     (("plan", "--model", "gpt-tiny", "--cluster", "cpu", "--runtime", "deepspeed", "--fix", "tp=2,sp=true"),
      f"plan tp=2,sp=true: {NO_SCHEDULES} (--runtime deepspeed)"),
     (("estimate", "--model", "gpt-tiny", "--cluster", "cpu", "--plan", "dp=1,pp=2,zero=2", "--runtime", "deepspeed"),
@@ -325,18 +358,23 @@ def test_pipeline_topology_of_the_default_order_is_deepspeeds_own() -> None:
         pipeline_topology(Plan(dp=1, tp=2, pp=2))
 
 
-def test_the_deepspeed_backend_implements_the_backend_protocol():
-    """Every call of runtime.base.Backend exists on DeepSpeedBackend with the same parameters, and its capabilities are
-    the DEEPSPEED value the planner and the CLI read."""
+@pytest.mark.parametrize("name", ["torch", "deepspeed"])
+def test_each_backend_implements_the_backend_protocol(name: str) -> None:
+    """Every call of runtime.base.Backend exists on the runtime's backend with the same parameters (the pipeline calls
+    where its capabilities run pipelines), and its capabilities are the value the table, the planner and the CLI read."""
     import inspect
 
-    from lightning_fleet.runtime.base import Backend
-    from lightning_fleet.runtime.deepspeed.backend import DeepSpeedBackend
+    from lightning_fleet.runtime.base import PIPELINE_CALLS, Backend
 
-    calls = {name: value for name, value in vars(Backend).items() if inspect.isfunction(value) and not name.startswith("_")}
-    assert len(calls) >= 10
-    for name, declared in calls.items():
-        implemented = getattr(DeepSpeedBackend, name, None)
-        assert callable(implemented), f"DeepSpeedBackend lacks {name}"
-        assert list(inspect.signature(implemented).parameters) == list(inspect.signature(declared).parameters), name
-    assert DeepSpeedBackend.capabilities is DEEPSPEED
+    runtime = runtime_named(name)
+    backend = type(runtime.load_backend())
+    calls = {key: value for key, value in vars(Backend).items() if inspect.isfunction(value) and not key.startswith("_")}
+    assert len(calls) >= 15
+    for key, declared in calls.items():
+        if key in PIPELINE_CALLS and not runtime.capabilities.pipeline:
+            continue
+        implemented = getattr(backend, key, None)
+        assert callable(implemented), f"{backend.__name__} lacks {key}"
+        assert list(inspect.signature(implemented).parameters) == list(inspect.signature(declared).parameters), key
+    assert backend.capabilities is runtime.capabilities
+    assert isinstance(backend.zeroes_gradients, bool)

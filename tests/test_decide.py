@@ -46,7 +46,7 @@ def manifest(plan_text: str, world: int, gbs: int = 32, step: int = 7) -> Manife
 
 def run(module: ModuleFacts, world: int = 8, resume: Resume = Resume(kind=ResumeKind.FRESH), **options: object) -> Decision:
     cluster = make_cluster(devices_per_node=world)
-    return decide(module, cluster, world_size=world, options=JobOptions(**options), capabilities=DEEPSPEED, resume=resume)
+    return decide(module, cluster, world_size=world, options=JobOptions(**options), runtimes=(DEEPSPEED,), resume=resume)
 
 
 def test_a_fresh_decision_is_the_searched_best_plan_under_the_runtimes_capabilities():
@@ -54,7 +54,7 @@ def test_a_fresh_decision_is_the_searched_best_plan_under_the_runtimes_capabilit
     decision = run(module)
     cluster = make_cluster(devices_per_node=8)
     best = plan(module.spec, cluster, top=3, constraints=DEEPSPEED.constraints(module.hooks)).best
-    assert decision.plan == best.plan and decision.estimate == best
+    assert decision.plan == best.plan.replace(runtime="deepspeed") and decision.estimate.time == best.time
     assert decision.runtime == DEEPSPEED.name and decision.resume.kind is ResumeKind.FRESH
     assert decision.plan.sp is False and decision.plan.vpp == 1  # DeepSpeed runs neither
     assert decision.report[0].startswith("lightning_fleet plan for gpt-4x512")
@@ -73,7 +73,7 @@ def test_a_decision_is_a_frozen_value_that_pickles_as_broadcast():
 def test_a_complete_plan_is_priced_not_searched():
     text = "dp=8,tp=1,pp=1,zero=3,mbs=2,gas=2,recompute=none,sp=false,vpp=1,offload=none"
     decision = run(facts(), plan=text)
-    assert str(decision.plan) == text
+    assert str(decision.plan) == text + ",runtime=deepspeed"
     assert not any(line.startswith("  searched") for line in decision.report)
     assert any("fixed    " in line and "FleetStrategy(plan=...)" in line for line in decision.report)
 
@@ -124,8 +124,9 @@ def test_a_continued_checkpoint_keeps_its_plan_and_a_clash_is_one_line():
     text = "dp=8,tp=1,pp=1,zero=2,mbs=1,gas=4,recompute=none,sp=false,vpp=1,offload=none"
     resume = resume_of("/c/step-000000007", manifest(text, 8), 8)
     decision = run(facts(), resume=resume)
-    assert str(decision.plan) == text and decision.resume == resume
-    assert decision.estimate == estimate(facts().spec, make_cluster(devices_per_node=8), parse_plan(text), overlaps=DEEPSPEED.overlaps)
+    assert str(decision.plan) == text + ",runtime=deepspeed" and decision.resume == resume  # the legacy runtime
+    priced = estimate(facts().spec, make_cluster(devices_per_node=8), parse_plan(text), overlaps=DEEPSPEED.overlaps)
+    assert decision.estimate.time == priced.time
     assert "  resumed  /c/step-000000007: its plan continues" in decision.report
     with pytest.raises(FleetError, match="but this job fixes zero=3: drop those"):
         run(facts(), resume=resume, plan="zero=3")
@@ -151,3 +152,57 @@ def test_decision_model_is_the_priced_spec():
     decision = run(facts())
     assert decision.model == decision.estimate.model
     assert isinstance(decision.plan, Plan)
+
+
+# --- choosing the runtime ---------------------------------------------------------------------------------------------
+
+
+def run_both(module: ModuleFacts, world: int = 8, resume: Resume = Resume(kind=ResumeKind.FRESH), **options: object) -> Decision:
+    from lightning_fleet.runtime.torch.capabilities import TORCH
+
+    cluster = make_cluster(devices_per_node=world)
+    return decide(module, cluster, world_size=world, options=JobOptions(**options), runtimes=(TORCH, DEEPSPEED), resume=resume)
+
+
+def test_the_fastest_executable_runtime_trains_and_the_report_says_by_how_much():
+    """Each runtime's best plan is priced; the faster one trains (a tie goes to the first given), and the report
+    names the other with its predicted step."""
+    decision = run_both(facts())
+    deepspeed_best = run(facts()).estimate.time.step_s
+    line = next(line for line in decision.report if line.startswith("  runtime  "))
+    assert decision.estimate.time.step_s <= deepspeed_best
+    if decision.runtime == "deepspeed":  # torch's zero=0 best was slower
+        assert decision.estimate.time.step_s < run_both(facts(), zero_stages=(0,)).estimate.time.step_s
+    assert f"{'deepspeed' if decision.runtime == 'torch' else 'torch'} " in line
+    assert line.startswith(f"  runtime  {decision.runtime}: predicted {decision.estimate.time.step_s:.4g} s/step; ")
+    assert str(decision.plan).endswith(f",runtime={decision.runtime}")
+
+
+def test_a_plan_only_one_runtime_runs_goes_to_it_and_one_no_runtime_runs_names_each_refusal():
+    decision = run_both(facts(), plan="zero=3")
+    assert decision.runtime == "deepspeed" and decision.plan.zero == 3
+    assert "torch: plan zero=3: torch runs zero 0 only" in next(line for line in decision.report if "runtime  " in line)
+    assert run_both(facts(), plan="zero=0,runtime=torch").runtime == "torch"
+    with pytest.raises(FleetError) as err:
+        run_both(facts(), plan="zero=3,runtime=torch")
+    assert str(err.value) == "plan zero=3: torch runs zero 0 only; use one of them"
+    with pytest.raises(FleetError) as err:
+        run_both(facts(), plan="sp=true,tp=2")
+    assert str(err.value).startswith("no runtime executes this job: torch: plan tp=2,sp=true: torch runs no tensor parallelism")
+    assert "; deepspeed: plan tp=2,sp=true: DeepSpeed runs neither sequence parallelism" in str(err.value)
+
+
+def test_a_checkpoint_continues_on_the_runtime_that_wrote_it():
+    text = "dp=8,tp=1,pp=1,zero=0,mbs=1,gas=4,recompute=none,sp=false,vpp=1,offload=none"
+    for written, expected in ((text, "deepspeed"), (text + ",runtime=torch", "torch")):
+        resume = resume_of("/c/step-000000007", manifest(written, 8), 8)
+        assert run_both(facts(), resume=resume).runtime == expected
+    resume = resume_of("/c/step-000000007", manifest(text + ",runtime=torch", 8), 8)
+    with pytest.raises(FleetError) as err:
+        run(facts(), resume=resume)
+    assert str(err.value) == (
+        "checkpoint /c/step-000000007 was written by the torch runtime, which this job does not use (it may use "
+        "deepspeed): allow FleetStrategy(runtime='torch') or 'auto' to continue it"
+    )
+    resharded = resume_of("/c/step-000000007", manifest(text + ",runtime=torch", 4), 8)
+    assert run_both(facts(), resume=resharded).runtime == "torch"  # a checkpoint is resharded by its own runtime

@@ -164,9 +164,9 @@ def test_a_fixed_shard_level_is_refused_in_one_line_naming_the_parameters() -> N
     facts = ModuleFacts(spec=recommender(), hooks=SPARSE_HOOKS, loader_batch_size=8, batch_dependent=False)
     with pytest.raises(FleetError) as err:
         decide(facts, make_cluster(devices_per_node=2), world_size=2, options=JobOptions(plan="dp=2,zero=1"),
-               capabilities=DEEPSPEED, resume=Resume(kind=ResumeKind.FRESH))
+               runtimes=(DEEPSPEED,), resume=Resume(kind=ResumeKind.FRESH))
     assert str(err.value).startswith("plan dp=2,zero=1: DLRM's tables.0.weight") and "\n" not in str(err.value)
-    chosen = decide(facts, make_cluster(devices_per_node=2), world_size=2, options=JobOptions(), capabilities=DEEPSPEED,
+    chosen = decide(facts, make_cluster(devices_per_node=2), world_size=2, options=JobOptions(), runtimes=(DEEPSPEED,),
                     resume=Resume(kind=ResumeKind.FRESH))
     assert chosen.plan.zero == 0
 

@@ -173,7 +173,7 @@ def test_the_automatic_plan_never_chooses_a_degree_the_module_cannot_split() -> 
         hooks = ModuleHooks(name="M", tensor_parallel=True, pipeline=False, layers=True, automatic_optimization=True, tp_limits=limits)
         facts = ModuleFacts(spec=make_model(layers=8, hidden=4096, heads=32, seq=2048, gbs=16), hooks=hooks, loader_batch_size=2)
         return decide(facts, make_cluster(devices_per_node=8), world_size=8, options=JobOptions(plan=plan, zero_stages=(0,)),
-                      capabilities=DEEPSPEED, resume=Resume(kind=ResumeKind.FRESH))
+                      runtimes=(DEEPSPEED,), resume=Resume(kind=ResumeKind.FRESH))
 
     assert decision(()).plan.tp == 2
     assert decision((limit,)).plan.tp == 1

@@ -202,9 +202,9 @@ def test_a_checkpoint_continues_under_another_split_of_the_same_layout() -> None
     resume = resume_of("/c/step-000000007", manifest(text, 4), 4)
     assert resume.kind is ResumeKind.CONTINUE
     decision = run(facts(), world=4, resume=resume, plan="dp_mbs=5/1/1/1")
-    assert decision.plan == parse_plan(text).replace(mbs=5, gas=4, dp_mbs=(5, 1, 1, 1))
+    assert decision.plan == parse_plan(text).replace(mbs=5, gas=4, dp_mbs=(5, 1, 1, 1), runtime="deepspeed")
     back = resume_of("/c/step-000000009", manifest(str(decision.plan), 4), 4)
-    assert run(facts(), world=4, resume=back, plan="mbs=2").plan == parse_plan(text)  # and back to even
+    assert run(facts(), world=4, resume=back, plan="mbs=2").plan == parse_plan(text).replace(runtime="deepspeed")  # and back to even
     assert run(facts(), world=4, resume=back).plan == decision.plan  # nothing fixed: the checkpoint's split continues
     with pytest.raises(FleetError, match="but this job fixes dp=2, mbs=3, dp_mbs=3/1: drop those"):
         run(facts(), world=4, resume=resume, plan="dp_mbs=3/1")  # two replicas: another layout, not another split

@@ -2,7 +2,8 @@
 
 Pure: imports neither torch nor deepspeed (stdlib and :class:`~lightning_fleet.planning.FleetError` only); imported
 by everything that reads or writes checkpoints (elastic/checkpoint.py, elastic/callback.py, elastic/compatibility.py,
-the strategy, the decision, the DeepSpeed runtime's save/load/reshard and export). No other module spells these names.
+the strategy, the decision, the DeepSpeed runtime's save/load/reshard and export, the torch runtime's DCP
+reader). No other module spells these names.
 
 The tree under a ``FleetCheckpoint(dirpath)``::
 
@@ -20,6 +21,9 @@ The tree under a ``FleetCheckpoint(dirpath)``::
                 checkpoint/               DeepSpeed's shards under the tag Lightning saves with (:data:`TAG`)
                 fleet_layout.json         how to rebuild full weights offline (runtime.deepspeed.weights, rank 0)
                 fleet_unstaged.pt         pipeline plans only: tensors no pipeline layer holds (runtime.deepspeed.weights, rank 0)
+                (torch runtime)           torch.distributed.checkpoint's save dir instead (runtime/torch/dcp.py, every rank):
+                .metadata                     DCP's plan of the whole state (rank 0)
+                __<rank>_<n>.distcp           each rank's tensor slices and plain values, one torch.save blob per item
             universal/                DeepSpeed's universal form for resharding, written after the commit
                                       (runtime/deepspeed/universal.make_universal, rank 0) and then added to the
                                       manifest (atomically, by rename): until it is listed there it is never loaded
@@ -100,6 +104,11 @@ UNSTAGED = "fleet_unstaged.pt"
 the layers)."""
 UNIVERSAL = "universal"
 """Subdirectory of a step dir holding its universal (layout-free) form, written when resharding."""
+DCP_METADATA = ".metadata"
+"""torch.distributed.checkpoint's metadata file in its save dir (``FileSystemWriter``, torch 2.13
+distributed/checkpoint/filesystem.py ``_metadata_fn``): a plain pickle of its ``Metadata``."""
+DCP_SUFFIX = ".distcp"
+"""Name suffix of torch.distributed.checkpoint's data files (``__<rank>_<n>.distcp``: torch.save blobs end to end)."""
 UNIVERSAL_LATEST = "latest_universal"
 """DeepSpeed's file in ``universal/`` naming the tag it loads with ``load_universal`` (DeepSpeed 0.19.8
 engine.load_checkpoint)."""
@@ -178,8 +187,14 @@ KIND_LIGHTNING = "lightning"
 """A single-file Lightning checkpoint given to validate/test/predict (never part of a FleetCheckpoint step)."""
 KIND_DATA = "data"
 """A file that is not a pickle (JSON, text, DeepSpeed's ``latest`` and scripts): never unpickled."""
+KIND_DCP_METADATA = "dcp-metadata"
+"""torch.distributed.checkpoint's :data:`DCP_METADATA`: its ``Metadata`` record (tensor shapes, dtypes and chunks, where
+each item lies in which file), a plain pickle of DCP's own dataclasses."""
+KIND_DCP_DATA = "dcp-data"
+"""A torch.distributed.checkpoint data file (``*.distcp``): torch.save blobs of plain tensors (a rank's slices) and of
+plain Python values (e.g. an optimizer's learning rates), located by the metadata's offsets."""
 FILE_KINDS = (KIND_MODEL_STATES, KIND_LAYER_STATES, KIND_OPTIM_STATES, KIND_UNIVERSAL_FRAGMENT, KIND_UNIVERSAL_OPTIMIZER,
-              KIND_RNG, KIND_UNSTAGED, KIND_LIGHTNING, KIND_DATA)
+              KIND_RNG, KIND_UNSTAGED, KIND_LIGHTNING, KIND_DATA, KIND_DCP_METADATA, KIND_DCP_DATA)
 """Every kind a file can be; the restricted loader (elastic/safe_load.py) admits and checks per kind."""
 
 _MODEL_STATES = re.compile(r"^(zero_pp_rank_\d+_)?mp_rank_\d+_model_states\.pt$")
@@ -208,6 +223,10 @@ def kind_of(name: str) -> str:
         return KIND_UNIVERSAL_OPTIMIZER
     if base in _FRAGMENTS and len(parts) >= 3 and parts[-3] == "zero":
         return KIND_UNIVERSAL_FRAGMENT
+    if base == DCP_METADATA:
+        return KIND_DCP_METADATA
+    if base.endswith(DCP_SUFFIX) and len(base) > len(DCP_SUFFIX):
+        return KIND_DCP_DATA
     return KIND_DATA
 
 

@@ -20,20 +20,27 @@ as they were; two of our loads in two threads each keep their own allowlist. The
 refusal tells a user who trusts a class to do. What the kinds are, and which file is which, is elastic/layout.py's
 (:func:`~lightning_fleet.elastic.layout.kind_of`; the manifest records each file's kind).
 
+torch.distributed.checkpoint (DCP) writes two more kinds: its ``.metadata``, a plain pickle of DCP's own dataclasses
+(:func:`load_dcp_metadata`: DCP's records built field by field and then checked whole, :func:`check_dcp_metadata`),
+and its ``*.distcp`` data files, torch.save blobs end to end that the metadata locates (:func:`load_blob` unpickles
+each: a plain tensor or plain Python values).
+
 :func:`load_file` reads one file once, checks it against its manifest entry when given one, and unpickles those same
 bytes, so a file swapped between the check and the load is never read. Refusals and damaged files are one
 :class:`~lightning_fleet.planning.FleetError` line; a refusal is marked deterministic (every attempt would read the
 same file, so torchrun does not restart for it).
 
-Imports torch (and, by name when present, the few DeepSpeed classes its checkpoints hold), elastic/layout.py and
-elastic/worker.py's error marks; imported by the strategy, the DeepSpeed runtime (its checked engine, resharding and
-offline reader), elastic/compatibility.py and ``python -m lightning_fleet.runtime.deepspeed.convert``.
+Imports torch (and, by name when present, the few DeepSpeed and torch.distributed.checkpoint classes checkpoints
+hold), elastic/layout.py and elastic/worker.py's error marks; imported by the strategy, the DeepSpeed runtime (its checked
+engine, resharding and offline reader), the torch runtime's DCP reader (runtime/torch/dcp.py), elastic/compatibility.py
+and ``python -m lightning_fleet.runtime.deepspeed.convert``.
 """
 
 from __future__ import annotations
 
 import _compat_pickle
 import argparse
+import dataclasses
 import hashlib
 import importlib
 import io
@@ -44,10 +51,11 @@ import pickle
 import re
 import tarfile
 from collections import OrderedDict, defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 
@@ -63,9 +71,25 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _SCALERS = ("deepspeed.runtime.fp16.loss_scaler.LossScaler", "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler")
 _ZERO_STAGE = "deepspeed.runtime.zero.config.ZeroStageEnum"
 _FRAGMENT = "deepspeed.utils.tensor_fragment.fragment_address"
+_DCP = "torch.distributed.checkpoint.metadata"
+_DCP_RECORDS = (f"{_DCP}.Metadata", f"{_DCP}.TensorStorageMetadata", f"{_DCP}.BytesStorageMetadata",
+                f"{_DCP}.ChunkStorageMetadata", f"{_DCP}.MetadataIndex", f"{_DCP}.StorageMeta",
+                "torch.distributed.checkpoint.filesystem._StorageInfo")
+"""DCP's dataclasses in its ``.metadata`` (torch 2.13 distributed/checkpoint/metadata.py, filesystem.py), each built
+empty and given its own fields."""
+_DCP_PROPERTIES = f"{_DCP}.TensorProperties"
+"""DCP's tensor properties: built from a 5-tuple by its own ``__setstate__`` (dtype, layout, requires_grad, memory
+format code, pin_memory)."""
+_DCP_MEMORY_FORMAT = f"{_DCP}._MEM_FORMAT_ENCODING"
+_LAYOUT = "torch.serialization._get_layout"
 _HYPER = ("argparse.Namespace", "pathlib.PosixPath", "pathlib.PurePosixPath", "builtins.frozenset", "builtins.slice",
           "collections.defaultdict")
 
+DCP_KINDS = frozenset({layout.KIND_DCP_METADATA, layout.KIND_DCP_DATA})
+"""The kinds torch.distributed.checkpoint writes (runtime/torch/dcp.py reads them)."""
+_DEEPSPEED_HOLDS = "tensors and DeepSpeed's own values"
+_HOLDS = {layout.KIND_DCP_METADATA: "torch.distributed.checkpoint's own records",
+          layout.KIND_DCP_DATA: "plain tensors and plain Python values"}
 USER_KINDS = frozenset({layout.KIND_MODEL_STATES, layout.KIND_LIGHTNING})
 """Kinds that hold the user's client state (hyper-parameters, callback state): there the globals the user admitted with
 ``torch.serialization.add_safe_globals`` are admitted too."""
@@ -80,6 +104,8 @@ ALLOWED_GLOBALS: Mapping[str, tuple[str, ...]] = {
     layout.KIND_UNIVERSAL_FRAGMENT: (),
     layout.KIND_RNG: (),
     layout.KIND_DATA: (),
+    layout.KIND_DCP_METADATA: (*_DCP_RECORDS, _DCP_PROPERTIES, _DCP_MEMORY_FORMAT, _LAYOUT, "torch.Size", "pathlib.PosixPath"),
+    layout.KIND_DCP_DATA: (),
 }
 """Per file kind, the globals a file may name besides every kind's tensors (``torch._utils._rebuild_tensor_v2``, the
 storage types, dtypes and ``collections.OrderedDict``): what each kind holds, measured on DeepSpeed 0.19.8's ZeRO 0-3,
@@ -87,7 +113,8 @@ tensor- and pipeline-parallel checkpoints and their universal form (the loss sca
 partitions, ``fragment_address`` in their slice mappings -- also in the model states where no ZeRO optimizer keeps
 its own file: bf16 at ZeRO-0, e.g. under a pipeline --, ZeRO-3's flat groups as tensors with a ``ds_id``), and for the
 files holding Lightning's client state the standard-library values hyper-parameters commonly hold (LightningCLI paths,
-namespaces). A :data:`~lightning_fleet.elastic.layout.KIND_DATA` file is never unpickled."""
+namespaces). A DCP metadata file holds DCP's records, sizes, the strided layout and the save dir's path (measured on
+torch 2.13's saves of plain, DTensor and FSDP2 state dicts); a DCP data file only tensors and plain values. A :data:`~lightning_fleet.elastic.layout.KIND_DATA` file is never unpickled."""
 
 TENSOR_ATTRIBUTES: Mapping[str, frozenset[str]] = {
     layout.KIND_OPTIM_STATES: frozenset({"ds_id"}),
@@ -121,6 +148,8 @@ class Policy:
     """Types ``BUILD`` may set attributes on, and the names (None: any identifier)."""
     user: frozenset[type] = frozenset()
     """Classes the user admitted (``add_safe_globals``): built as torch's weights_only unpickler builds them."""
+    states: Mapping[type, Callable[[Any], None]] = field(default_factory=dict, hash=False)
+    """Types ``BUILD`` hands a non-mapping state to their own ``__setstate__``, once its check (the value) passes."""
 
 
 def _resolve(dotted: str) -> Any:
@@ -182,13 +211,37 @@ def _path_factory(cls: type) -> Callable[..., Any]:
     return make
 
 
+def _strided(name: Any) -> torch.layout:
+    """torch's ``_get_layout`` for the one layout a DCP checkpoint records (``torch.strided``; its other fields are
+    deprecated)."""
+    if name != "torch.strided":
+        raise Refused(f"a tensor layout {str(name)[:40]!r}; DCP records only torch.strided")
+    return torch.strided
+
+
+def _properties_state(memory_format: type) -> Callable[[Any], None]:
+    """The check of DCP's ``TensorProperties`` state: (dtype, torch.strided, bool, a memory format code, bool)."""
+    def check(state: Any) -> None:
+        kinds = (torch.dtype, torch.layout, bool, memory_format, bool)
+        if type(state) is not tuple or len(state) != 5 or not all(type(v) is k for v, k in zip(state, kinds)) \
+                or state[1] is not torch.strided:
+            raise Refused("DCP tensor properties that are not (dtype, torch.strided, bool, memory format, bool)")
+
+    return check
+
+
+RulesOfKind = tuple[dict[str, Any], tuple[Any, ...], frozenset[type], dict[type, frozenset[str] | None], dict[type, Callable[[Any], None]]]
+
+
 @cache
-def _kind_rules(kind: str) -> tuple[dict[str, Any], tuple[Any, ...], frozenset[type], dict[type, frozenset[str] | None]]:
-    """The globals, callables, classes and buildable types of ``kind`` that do not depend on the user (cached)."""
+def _kind_rules(kind: str) -> RulesOfKind:
+    """The globals, callables, classes, buildable types and checked ``__setstate__`` states of ``kind`` that do not
+    depend on the user (cached)."""
     table: dict[str, Any] = {"torch._utils._rebuild_tensor_v2": _rebuild_tensor, "collections.OrderedDict": OrderedDict, **_dtypes()}
     callables: list[Any] = [_rebuild_tensor, OrderedDict]
     classes: set[type] = set()
     attributes: dict[type, frozenset[str] | None] = {}
+    states: dict[type, Callable[[Any], None]] = {}
     if kind in (layout.KIND_MODEL_STATES, layout.KIND_LIGHTNING, layout.KIND_LAYER_STATES, layout.KIND_UNSTAGED):
         attributes[OrderedDict] = frozenset({"_metadata"})  # a module's state_dict keeps its version metadata there
     for dotted in ALLOWED_GLOBALS[kind]:
@@ -199,8 +252,16 @@ def _kind_rules(kind: str) -> tuple[dict[str, Any], tuple[Any, ...], frozenset[t
             value = _rebuild_from_type(kind)
         elif dotted in _PATHS:
             value = _path_factory(value)
+        elif dotted == _LAYOUT:
+            value = _strided
         table[dotted] = value
-        if dotted in _SCALERS:
+        if dotted in _DCP_RECORDS:
+            classes.add(value)
+            attributes[value] = frozenset(f.name for f in dataclasses.fields(value))
+        elif dotted == _DCP_PROPERTIES:
+            classes.add(value)
+            states[value] = _properties_state(_resolve(_DCP_MEMORY_FORMAT))
+        elif dotted in _SCALERS:
             classes.add(value)
             attributes[value] = _scaler_fields(value)
         elif dotted == _FRAGMENT:
@@ -211,7 +272,7 @@ def _kind_rules(kind: str) -> tuple[dict[str, Any], tuple[Any, ...], frozenset[t
             attributes[value] = None
         elif dotted != "torch.Tensor":  # torch.Tensor is only _rebuild_from_type_v2's argument, never called
             callables.append(value)
-    return table, tuple(callables), frozenset(classes), attributes
+    return table, tuple(callables), frozenset(classes), attributes, states
 
 
 _PATHS = ("pathlib.PosixPath", "pathlib.PurePosixPath")
@@ -222,7 +283,7 @@ def policy(kind: str) -> Policy:
     :data:`USER_KINDS`. :class:`Refused` for a kind that is never unpickled."""
     if kind not in ALLOWED_GLOBALS or kind == layout.KIND_DATA:
         raise Refused(f"its name is not that of a file lightning_fleet or DeepSpeed unpickles (kind {kind!r})")
-    table, callables, classes, attributes = _kind_rules(kind)
+    table, callables, classes, attributes, states = _kind_rules(kind)
     table, extra, user = dict(table), [], set()
     if kind in USER_KINDS:
         for entry in torch.serialization.get_safe_globals():
@@ -231,7 +292,7 @@ def policy(kind: str) -> Policy:
             extra.append(obj)
             if isinstance(obj, type):
                 user.add(obj)
-    return Policy(kind, table, frozenset(map(id, (*callables, *extra))), classes, attributes, frozenset(user))
+    return Policy(kind, table, frozenset(map(id, (*callables, *extra))), classes, attributes, frozenset(user), states)
 
 
 @cache
@@ -303,6 +364,10 @@ class RestrictedUnpickler(pickle._Unpickler):  # the pure-Python unpickler: ever
                 setstate(state)
             else:
                 inst.__dict__.update(state)
+            return
+        if cls in self.policy.states:  # its own __setstate__, given only the state its check admits
+            self.policy.states[cls](state)
+            inst.__setstate__(state)
             return
         if cls not in self.policy.attributes:
             raise Refused(f"attributes set on a {_name(cls)}, which a {self.policy.kind} file never does")
@@ -380,10 +445,13 @@ _PLAIN = (type(None), bool, int, float, str, bytes)
 def check_loaded(value: Any, rules: Policy | str) -> Any:
     """``value`` (what a file of the policy's kind unpickled to), once every object in it is of a type that kind holds,
     no mapping carries attributes but a state_dict's ``_metadata``, no tensor carries hooks or attributes its kind does
-    not give it, paths read as their parts, and DeepSpeed's loss scalers and slice mappings have their own fields in
-    their ranges; :class:`Refused` naming the first that is not."""
+    not give it, paths read as their parts, DeepSpeed's loss scalers and slice mappings have their own fields in their
+    ranges and a DCP metadata file is DCP's record (:func:`check_dcp_metadata`); :class:`Refused` naming the first that
+    is not."""
     rules = policy(rules) if isinstance(rules, str) else rules
     kind = rules.kind
+    if kind == layout.KIND_DCP_METADATA:
+        check_dcp_metadata(value)
     allowed = {dict, list, tuple, set, frozenset, torch.dtype, torch.Tensor, *rules.classes, *rules.user}
     allowed |= {v for v in rules.globals.values() if isinstance(v, type) and v is not torch.Tensor}
     allowed |= {_resolve(dotted) for dotted in _PATHS if dotted in rules.globals}
@@ -483,6 +551,119 @@ def _check_scaler(scaler: Any, where: str) -> None:
         raise Refused(f"loss scaler {where} has cur_hysteresis {fields['cur_hysteresis']} above its delayed_shift {fields['delayed_shift']}")
 
 
+# --- DCP's metadata, field by field -----------------------------------------------------------------------------------
+
+_DISTCP_NAME = re.compile(rf"^\w[\w.-]*{re.escape(layout.DCP_SUFFIX)}$")
+"""A data file a DCP metadata may point at: a plain name in the save dir (no directory, no leading dot)."""
+
+
+def check_dcp_metadata(metadata: Any) -> Any:
+    """``metadata`` once it is torch.distributed.checkpoint's ``Metadata`` as its ``FileSystemWriter`` writes it: every
+    entry a tensor (dtype, size, chunks inside it that add up to it) or a bytes item, planner paths of names and list
+    positions, every chunk and bytes item stored at a non-negative offset and length of a ``.distcp`` file of the same
+    directory without stream transforms; :class:`Refused` naming the first field that is not."""
+    from torch.distributed.checkpoint import metadata as dcp
+
+    if type(metadata) is not dcp.Metadata:
+        raise Refused(f"the file is a {_name(type(metadata))}, not DCP's Metadata")
+    entries = _field(metadata, "state_dict_metadata")
+    if type(entries) is not dict or not all(type(fqn) is str for fqn in entries):
+        raise Refused("DCP's state_dict_metadata is not a mapping of names")
+    for fqn, entry in entries.items():
+        _check_dcp_entry(fqn, entry, dcp)
+    _check_planner_data(_field(metadata, "planner_data"), entries)
+    _check_storage_data(_field(metadata, "storage_data"), entries, dcp)
+    _check_storage_meta(_field(metadata, "storage_meta"), dcp)
+    if type(_field(metadata, "version")) not in (str, type(None)):
+        raise Refused("DCP's version is not a string")
+    return metadata
+
+
+def _field(record: Any, name: str) -> Any:
+    """A field of a DCP record (its class default where the file left it out); Refused when it has none."""
+    try:
+        return getattr(record, name)
+    except AttributeError:
+        raise Refused(f"a DCP {type(record).__name__} without its field {name}") from None
+
+
+def _size(value: Any) -> bool:
+    return type(value) is torch.Size and all(type(n) is int and n >= 0 for n in value)
+
+
+def _inside(offsets: Any, sizes: Any, size: torch.Size) -> bool:
+    """Whether a chunk (offsets, sizes) is a box of the tensor's dimensions inside it."""
+    if not (_size(offsets) and _size(sizes) and len(offsets) == len(sizes) == len(size)):
+        return False
+    return all(o + n <= whole for o, n, whole in zip(offsets, sizes, size))
+
+
+def _check_dcp_entry(fqn: str, entry: Any, dcp: Any) -> None:
+    """One ``state_dict_metadata`` entry: a bytes item, or a tensor whose chunks lie inside it and add up to it."""
+    if type(entry) is dcp.BytesStorageMetadata:
+        return
+    if type(entry) is not dcp.TensorStorageMetadata:
+        raise Refused(f"DCP entry {fqn} is a {_name(type(entry))}, neither a tensor nor a bytes item")
+    properties, size, chunks = _field(entry, "properties"), _field(entry, "size"), _field(entry, "chunks")
+    if type(properties) is not dcp.TensorProperties or not isinstance(getattr(properties, "dtype", None), torch.dtype):
+        raise Refused(f"DCP entry {fqn} has no tensor properties with a dtype")
+    if not _size(size) or type(chunks) is not list:
+        raise Refused(f"DCP entry {fqn} has no size of integers or no list of chunks")
+    for chunk in chunks:
+        if type(chunk) is not dcp.ChunkStorageMetadata or not _inside(_field(chunk, "offsets"), _field(chunk, "sizes"), size):
+            raise Refused(f"DCP entry {fqn} has a chunk outside its size {tuple(size)}")
+    if sum(math.prod(chunk.sizes) for chunk in chunks) != math.prod(size):
+        raise Refused(f"DCP entry {fqn}'s chunks do not add up to its size {tuple(size)}")
+
+
+def _check_planner_data(paths: Any, entries: dict[str, Any]) -> None:
+    """Where each entry sits in the nested state: a tuple of names and list positions (below the number of entries)."""
+    if paths is None:
+        return
+    if type(paths) is not dict or set(paths) - set(entries):
+        raise Refused("DCP's planner_data is not a mapping of the checkpoint's entries")
+    for fqn, path in paths.items():
+        ok = type(path) is tuple and len(path) > 0 and type(path[0]) is str
+        if not ok or not all(type(p) is str or (type(p) is int and 0 <= p < len(entries)) for p in path):
+            raise Refused(f"DCP's planner_data path of {fqn} is not a tuple of names and list positions")
+
+
+def _check_storage_data(storage: Any, entries: dict[str, Any], dcp: Any) -> None:
+    """Every chunk and bytes item stored, each in a plain ``.distcp`` file of the save dir, untransformed."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    if type(storage) is not dict:
+        raise Refused("DCP's storage_data is not a mapping")
+    for index, info in storage.items():
+        if type(index) is not dcp.MetadataIndex or getattr(index, "fqn", None) not in entries \
+                or not (index.offset is None or _size(index.offset)) or type(index.index) not in (int, type(None)):
+            raise Refused("DCP's storage_data has a key that is not an index into the checkpoint's entries")
+        where = getattr(info, "relative_path", None)
+        if type(info) is not _StorageInfo or type(where) is not str or not _DISTCP_NAME.match(where):
+            raise Refused(f"DCP item {index.fqn} is stored in {str(where)[:80]!r}, not in a .distcp file of the save dir")
+        if not all(type(v) is int and v >= 0 for v in (_field(info, "offset"), _field(info, "length"))):
+            raise Refused(f"DCP item {index.fqn} has an offset or length that is not a non-negative integer")
+        if info.transform_descriptors:
+            raise Refused(f"DCP item {index.fqn} is stored through stream transforms, which lightning_fleet does not read")
+    for fqn, entry in entries.items():
+        for chunk in entry.chunks if type(entry) is dcp.TensorStorageMetadata else [None]:
+            if dcp.MetadataIndex(fqn, None if chunk is None else chunk.offsets) not in storage:
+                raise Refused(f"DCP entry {fqn} has a part that no data file stores")
+
+
+def _check_storage_meta(meta: Any, dcp: Any) -> None:
+    """DCP's note of the save (its directory, ids, module names), or none."""
+    if meta is None:
+        return
+    if type(meta) is not dcp.StorageMeta:
+        raise Refused(f"DCP's storage_meta is a {_name(type(meta))}")
+    ids = (_field(meta, "save_id"), _field(meta, "load_id"))
+    path, modules = _field(meta, "checkpoint_id"), _field(meta, "modules")
+    if type(path) not in (str, pathlib.PosixPath, type(None)) or not all(type(i) in (str, type(None)) for i in ids) \
+            or type(modules) is not list or not all(type(m) is str for m in modules):
+        raise Refused("DCP's storage_meta is not a path, ids and module names")
+
+
 # --- loading one file --------------------------------------------------------------------------------------------------
 
 
@@ -495,7 +676,7 @@ def load_file(path: Path, entry: FileEntry | None = None, *, kind: str | None = 
     until they are dropped: never rewrite it meanwhile). A missing, mismatching, refused or damaged file is one
     FleetError line (deterministic for a refusal)."""
     kind = layout.kind_of(path.as_posix()) if kind is None else kind
-    try:
+    with _one_line(str(path), kind):
         if entry is not None:
             data = read_checked(path, entry)
             source: Any = io.BytesIO(data)
@@ -506,22 +687,55 @@ def load_file(path: Path, entry: FileEntry | None = None, *, kind: str | None = 
             with open(path, "rb") as f:
                 head = f.read(512)
             source, mmap = path, mmap and head[:4] == b"PK\x03\x04"
+        return _torch_unpickled(source, head, policy(kind), map_location=map_location, mmap=mmap)
+
+
+def load_blob(data: bytes, *, kind: str, what: str, map_location: Any = "cpu") -> Any:
+    """One torch.save blob held in memory (an item of a DCP data file), unpickled as a file of ``kind`` by
+    :class:`RestrictedUnpickler` and checked by :func:`check_loaded`; a refused or damaged blob is one FleetError line
+    naming ``what`` (deterministic for a refusal)."""
+    with _one_line(what, kind):
+        return _torch_unpickled(io.BytesIO(data), data[:512], policy(kind), map_location=map_location, mmap=False)
+
+
+def load_dcp_metadata(path: Path, entry: FileEntry | None = None) -> Any:
+    """torch.distributed.checkpoint's ``.metadata`` (a plain pickle, not torch.save's zip), read once (checked against
+    its manifest entry when given; never through a symbolic link), unpickled by :class:`RestrictedUnpickler` as a
+    :data:`~lightning_fleet.elastic.layout.KIND_DCP_METADATA` file and checked whole (:func:`check_dcp_metadata`). A
+    missing, mismatching, refused or damaged file is one FleetError line (deterministic for a refusal)."""
+    kind = layout.KIND_DCP_METADATA
+    data = read_bytes(path, entry)
+    with _one_line(str(path), kind):
         rules = policy(kind)
-        if _is_tar(head):
-            raise Refused("it is torch's legacy tar format, which no checkpoint of DeepSpeed or lightning_fleet uses")
-        if _forced_weights_only():
-            raise deterministic(FleetError(
-                "TORCH_FORCE_WEIGHTS_ONLY_LOAD is set, which makes torch.load refuse lightning_fleet's own restricted "
-                "unpickler (stricter than weights_only, per file kind): unset it for this job"
-            ))
-        loaded = _TORCH_LOAD(source, map_location=map_location, weights_only=False, pickle_module=_PickleModule(rules), mmap=mmap)
-        return check_loaded(loaded, rules)
+        return check_loaded(_PickleModule(rules).load(io.BytesIO(data)), rules)
+
+
+@contextmanager
+def _one_line(what: str, kind: str) -> Iterator[None]:
+    """A refusal inside the block as one deterministic FleetError line, anything else that is not a FleetError (a
+    truncated zip, flipped bytes) as one line saying the file is damaged."""
+    try:
+        yield
     except FleetError:
         raise
     except pickle.UnpicklingError as err:
-        raise deterministic(FleetError(refusal(str(path), err, kind))) from None
+        raise deterministic(FleetError(refusal(what, err, kind))) from None
     except Exception as err:  # truncated zip, flipped bytes
-        raise FleetError(unreadable(path, err)) from None
+        raise FleetError(unreadable(what, err)) from None
+
+
+def _torch_unpickled(source: Any, head: bytes, rules: Policy, *, map_location: Any, mmap: bool) -> Any:
+    """torch.load of ``source`` (whose first bytes are ``head``) with the restricted pickle module of ``rules``,
+    checked."""
+    if _is_tar(head):
+        raise Refused("it is torch's legacy tar format, which no checkpoint of DeepSpeed or lightning_fleet uses")
+    if _forced_weights_only():
+        raise deterministic(FleetError(
+            "TORCH_FORCE_WEIGHTS_ONLY_LOAD is set, which makes torch.load refuse lightning_fleet's own restricted "
+            "unpickler (stricter than weights_only, per file kind): unset it for this job"
+        ))
+    loaded = _TORCH_LOAD(source, map_location=map_location, weights_only=False, pickle_module=_PickleModule(rules), mmap=mmap)
+    return check_loaded(loaded, rules)
 
 
 def _is_tar(head: bytes) -> bool:
@@ -536,13 +750,29 @@ def _forced_weights_only() -> bool:
 
 def unpickles(step_dir: Path, files: Iterable[str], kinds: Mapping[str, str] | None = None) -> None:
     """FleetError (deterministic for a refusal) unless every ``.pt`` file among ``files`` (paths relative to
-    ``step_dir``; ``kinds``: the manifest's record of what each holds) unpickles and checks as its kind. Memory-mapped:
-    only the pickles are read, not the tensors' bytes. Run by rank 0 when it chooses a checkpoint, so that a file no
-    rank could load stops the job before any rank loads its own part (each rank's load checks its files again as it
-    reads them)."""
+    ``step_dir``; ``kinds``: the manifest's record of what each holds) unpickles and checks as its kind, and every DCP
+    ``.metadata`` as DCP's record. Memory-mapped: only the pickles are read, not the tensors' bytes (a DCP metadata
+    file, a plain pickle of a few kB per tensor, is read whole). Run by rank 0 when it chooses a checkpoint, so that a
+    file no rank could load stops the job before any rank loads its own part (each rank's load checks its files again
+    as it reads them; a DCP data file's items are checked there, where its metadata locates them)."""
     for name in sorted(files):
         if name.endswith(".pt"):
             load_file(step_dir / name, kind=(kinds or {}).get(name), mmap=True)
+        elif layout.kind_of(name) == layout.KIND_DCP_METADATA:
+            load_dcp_metadata(step_dir / name)
+
+
+def read_bytes(path: Path, entry: FileEntry | None = None) -> bytes:
+    """The bytes of ``path``, read once and never through a symbolic link: checked against its manifest entry when
+    given (:func:`read_checked`), else whole; FleetError for a missing file or a link."""
+    if entry is not None:
+        return read_checked(path, entry)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as err:
+        raise FleetError(f"cannot read checkpoint file {path} ({err.strerror}): it is missing or a symbolic link; use another checkpoint") from None
+    with os.fdopen(fd, "rb") as f:
+        return f.read()
 
 
 def read_checked(path: Path, entry: FileEntry) -> bytes:
@@ -569,15 +799,16 @@ def refusal(what: str, err: Exception, kind: str = layout.KIND_LIGHTNING) -> str
     text = _ANSI.sub("", str(err)).strip().splitlines()
     detail = text[0][:300] if text else type(err).__name__
     found = _REFUSED_GLOBAL.findall(detail)
+    writer = "torch.distributed.checkpoint" if kind in DCP_KINDS else "DeepSpeed or lightning_fleet"
     if not found:
         return (f"cannot read {what}: it holds what a {kind} file never does ({detail}; nothing of it was used): it is "
-                "damaged, or was not written by DeepSpeed or lightning_fleet; use another checkpoint")
+                f"damaged, or was not written by {writer}; use another checkpoint")
     name = found[0]
     hint = (
         "keep hyper-parameters to plain types (str, int, float, bool, None, lists, dicts: str(path), enum.value) or leave "
         f"them out with save_hyperparameters(ignore=[...]); if you trust this file and the class, call "
         f"torch.serialization.add_safe_globals([{name.rpartition('.')[2]}]) before fitting"
-    ) if kind in USER_KINDS else f"a {kind} file holds only tensors and DeepSpeed's own values; use another checkpoint"
+    ) if kind in USER_KINDS else f"a {kind} file holds only {_HOLDS.get(kind, _DEEPSPEED_HOLDS)}; use another checkpoint"
     return (f"cannot read {what}: it would import {name} when loaded, which the restricted unpickler refuses (it could run "
             f"code; nothing of it ran): {hint}")
 

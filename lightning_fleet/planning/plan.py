@@ -28,6 +28,7 @@ strategy and the runtimes.
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Mapping
@@ -89,10 +90,12 @@ class Coordinates:
                 raise PlanError(f"coordinates: {axis} must be a non-negative integer index, got {index!r}")
 
 
-_KEYS = ("dp", "tp", "pp", "zero", "mbs", "gas", "recompute", "sp", "vpp", "offload", "order", "stage_layers", "dp_mbs")
-_OPTIONAL = ("gas", "order", "stage_layers", "dp_mbs")
+_KEYS = ("dp", "tp", "pp", "zero", "mbs", "gas", "recompute", "sp", "vpp", "offload", "order", "stage_layers", "dp_mbs",
+         "runtime")
+_OPTIONAL = ("gas", "order", "stage_layers", "dp_mbs", "runtime")
 """Keys a whole plan may leave out: gas follows from the global batch, order defaults to tp-dp-pp, stage_layers to the
-default split, dp_mbs to mbs on every replica."""
+default split, dp_mbs to mbs on every replica, runtime to none chosen yet."""
+_RUNTIME_NAME = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
 _INT_KEYS = ("dp", "tp", "pp", "mbs", "gas", "vpp")
 
 
@@ -107,7 +110,9 @@ class Plan:
     pp: int = 1
     """Pipeline-parallel degree (stages)."""
     zero: int = 0
-    """DeepSpeed ZeRO stage 0-3."""
+    """Shard level 0-3 of data-parallel state, in ZeRO's terms: 0 replicates everything, 1 shards the optimizer
+    states, 2 also the gradients, 3 also the weights. Each runtime maps it to its own mechanism (DeepSpeed: ZeRO stage
+    k; torch: DistributedDataParallel, ZeroRedundancyOptimizer, FSDP2 without and with resharding after forward)."""
     mbs: int = 1
     """Micro-batch size per data-parallel replica."""
     gas: int = 1
@@ -128,8 +133,13 @@ class Plan:
     dp_mbs: tuple[int, ...] | None = None
     """Micro-batch size of each data-parallel replica, first to last, when they differ (None: every replica runs
     ``mbs``; equal sizes are kept as None). ``mbs`` is then the largest: what the busiest device holds and computes."""
+    runtime: str | None = None
+    """The runtime that executes the plan, by its name in the runtime table (lightning_fleet/runtime; the planning core
+    knows no runtime by name); None: not chosen (a plan of the cost model's whole space)."""
 
     def __post_init__(self) -> None:
+        if self.runtime is not None:
+            _check_runtime(self.runtime)
         for name in _INT_KEYS:  # the checks of _check_positive and _check_zero, inline: the search builds many plans
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -193,6 +203,8 @@ class Plan:
             text += f",stage_layers={field_text(self.stage_layers)}"
         if self.dp_mbs is not None:
             text += f",dp_mbs={field_text(self.dp_mbs)}"
+        if self.runtime is not None:
+            text += f",runtime={self.runtime}"
         return text
 
     def stride(self, axis: Axis) -> int:
@@ -235,10 +247,10 @@ class Plan:
         out["recompute"] = str(self.recompute)
         out["offload"] = str(self.offload)
         out["order"] = "-".join(self.order)
-        for name in ("stage_layers", "dp_mbs"):
+        for name in ("stage_layers", "dp_mbs", "runtime"):
             if out[name] is None:
                 del out[name]
-            else:
+            elif name != "runtime":
                 out[name] = list(out[name])  # type: ignore[call-overload]
         return out
 
@@ -291,6 +303,13 @@ def _check_positive(name: str, value: object) -> None:
 def _check_zero(value: object) -> None:
     if value not in (0, 1, 2, 3) or isinstance(value, bool):
         raise PlanError(f"plan: zero must be 0, 1, 2 or 3, got {shown(value)}")
+
+
+def _check_runtime(name: object) -> str:
+    """A runtime's name as the plan holds it (its validity is the runtime table's to judge)."""
+    if not isinstance(name, str) or not _RUNTIME_NAME.match(name):
+        raise PlanError(f"plan: runtime must be a runtime's name such as torch or deepspeed, got {shown(name)}")
+    return name
 
 
 def _check_order(order: object) -> tuple[Axis, ...]:
@@ -443,6 +462,8 @@ def _parse_value(key: str, value: str, text: str) -> object:
             ) from None
     if key in ("recompute", "offload"):
         return value
+    if key == "runtime":
+        return _check_runtime(value)
     try:
         return ascii_int(value)
     except ValueError as err:
@@ -509,8 +530,12 @@ class PartialPlan:
     """Micro-batch size of each data-parallel replica; fixes dp to its length and mbs to the largest. Uneven sizes are
     given with a whole plan (:attr:`complete`): the planner prices and runs them, it does not search around them;
     equal sizes are kept as dp and mbs (None here), as :class:`Plan` keeps them."""
+    runtime: str | None = None
+    """The runtime that must execute it (None: the planner or FleetStrategy(runtime=...) chooses)."""
 
     def __post_init__(self) -> None:
+        if self.runtime is not None:
+            _check_runtime(self.runtime)
         for name in _INT_KEYS:
             if getattr(self, name) is not None:
                 _check_positive(name, getattr(self, name))

@@ -19,13 +19,17 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Protocol
 
 from lightning_fleet.planning import Constraints, FleetError, Offload, Overlaps, PartialPlan, Plan, Recompute
 from lightning_fleet.planning.plan import DEFAULT_ORDER, field_text
 
 if TYPE_CHECKING:
     from lightning_fleet.elastic.checkpoint import VerifiedCheckpoint
+
+
+ANY_ZERO_STAGES = (0, 1, 2, 3)
+"""Every shard level a plan can name (Plan.zero)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -106,6 +110,15 @@ class Capabilities:
     """How ``fleet plan --runtime`` and the registry (:func:`lightning_fleet.runtime.capabilities_of`) name it."""
     label: str
     """How messages name it ("DeepSpeed")."""
+    zero_stages: tuple[int, ...] = ANY_ZERO_STAGES
+    """Shard levels (``Plan.zero``) it executes, each mapped to its own mechanism (DeepSpeed: ZeRO-k; torch: DDP,
+    ZeroRedundancyOptimizer, FSDP2 without and with resharding after forward)."""
+    tensor_parallel: bool = True
+    """Runs tensor parallelism (tp > 1) at all (what it needs of the module: :attr:`tp_needs_hook`)."""
+    pipeline: bool = True
+    """Runs pipeline parallelism (pp > 1) at all (what it needs of the module: :attr:`pp_needs_hook`)."""
+    offload: bool = True
+    """Runs host offload of optimizer states and parameters."""
     sequence_parallel: bool
     """Runs Megatron-style sequence parallelism (sp=true)."""
     interleaved_pipeline: bool
@@ -172,13 +185,13 @@ class Capabilities:
             search_placement=self.any_placement,
             tp_with_pp=self.tp_with_pp,
             offload_with_pp=self.offload_with_pp,
-            allow_offload=allow_offload,
+            allow_offload=allow_offload and self.offload,
             require_offload=require_offload,
             recompute=self._recompute_modes(hooks),
             max_tp=(max_tp or None) if self._runs_tp(hooks) else 1,
             tp_divides=hooks.tp_divides if self._runs_tp(hooks) else None,
             max_pp=(max_pp or None) if self._runs_pp(hooks) else 1,
-            zero_stages=zero_stages,
+            zero_stages=self._runnable_stages(zero_stages),
             overlaps=self.overlaps,
             sparse_zero_stages=self.sparse_grad_zero_stages,
         )
@@ -208,6 +221,9 @@ class Capabilities:
         one line; None when it can. The job's own limits (zero_stages, allow_offload, max_tp, ...) are not judged here."""
         tp, pp, zero = plan.tp or 1, plan.pp or 1, plan.zero or 0
         offloads = plan.offload not in (None, Offload.NONE)
+        missing = self._missing_axis(tp=tp, pp=pp, zero=zero, offloads=offloads)
+        if missing:
+            return f"plan {plan}: {self.label} runs {missing}"
         if hooks.sparse_params and zero not in self.sparse_grad_zero_stages:
             return f"plan {plan}: {self._sparse_refusal(hooks, zero)}"
         if tp > 1 and not self._runs_tp(hooks):
@@ -256,6 +272,33 @@ class Capabilities:
         if partial.offload not in (None, Offload.NONE) and not constraints.allow_offload:
             raise FleetError(f"plan {partial} offloads, but allow_offload=False")
 
+    def _runnable_stages(self, zero_stages: tuple[int, ...]) -> tuple[int, ...]:
+        """The job's shard levels this runtime runs (a value that is no shard level stays, for Constraints to refuse)."""
+        if not set(zero_stages) <= set(ANY_ZERO_STAGES):
+            return zero_stages
+        return tuple(z for z in zero_stages if z in self.zero_stages)
+
+    def job_refusal(self, *, require_offload: bool, zero_stages: tuple[int, ...]) -> str | None:
+        """Why this runtime can run no plan the job's options allow (it offloads nothing but offload is required, or it
+        runs none of the allowed shard levels), in one line; None when some plan may be possible."""
+        if require_offload and not self.offload:
+            return f"{self.label} runs no offload, and FleetStrategy(require_offload=True)"
+        if not set(zero_stages) & set(self.zero_stages):
+            return f"{self.label} runs zero {_either(self.zero_stages)}, and FleetStrategy(zero_stages={tuple(zero_stages)})"
+        return None
+
+    def _missing_axis(self, *, tp: int, pp: int, zero: int, offloads: bool) -> str:
+        """'no tensor parallelism; use tp=1' for the first axis of a plan this runtime does not run at all, else ''."""
+        if zero not in self.zero_stages:
+            return f"zero {_either(self.zero_stages)} only; use one of them"
+        if tp > 1 and not self.tensor_parallel:
+            return "no tensor parallelism; use tp=1"
+        if pp > 1 and not self.pipeline:
+            return "no pipelines; use pp=1"
+        if offloads and not self.offload:
+            return "no offload; use offload=none"
+        return ""
+
     def _sparse_refusal(self, hooks: ModuleHooks, zero: int) -> str:
         """'emb.weight gets sparse gradients ..., which DeepSpeed runs at zero 0 only: use zero=0 ...'."""
         names = hooks.sparse_params
@@ -268,10 +311,10 @@ class Capabilities:
         )
 
     def _runs_tp(self, hooks: ModuleHooks) -> bool:
-        return hooks.tensor_parallel or not self.tp_needs_hook
+        return self.tensor_parallel and (hooks.tensor_parallel or not self.tp_needs_hook)
 
     def _runs_pp(self, hooks: ModuleHooks) -> bool:
-        has_hook = hooks.pipeline or not self.pp_needs_hook
+        has_hook = self.pipeline and (hooks.pipeline or not self.pp_needs_hook)
         return has_hook and (hooks.automatic_optimization or not self.pp_needs_automatic_optimization)
 
     def _recompute_modes(self, hooks: ModuleHooks) -> tuple[Recompute, ...]:
@@ -344,15 +387,19 @@ for comparing layouts before choosing a runtime)."""
 
 
 class Backend(Protocol):
-    """How a runtime applies a Decision; the Lightning adapter (lightning_fleet/strategy.py) calls only these.
+    """How a runtime applies a Decision; the Lightning faces (lightning_fleet/strategy.py) call only these.
 
-    One implementation today, :class:`lightning_fleet.runtime.deepspeed.backend.DeepSpeedBackend`. A new runtime
-    states its :class:`Capabilities` (the planner, ``fleet plan --runtime`` and the benchmarks read them) and
-    implements these calls in its own package beside ``runtime/deepspeed/``.
+    Implemented by :class:`lightning_fleet.runtime.deepspeed.backend.DeepSpeedBackend` and
+    :class:`lightning_fleet.runtime.torch.backend.TorchBackend`, each named in the runtime table
+    (:data:`lightning_fleet.runtime.RUNTIMES`). A new runtime states its :class:`Capabilities` and implements these calls
+    in its own package; the calls under "pipelines" only where its capabilities run pipelines (``pipeline``).
     """
 
     capabilities: Capabilities
     """What the runtime executes."""
+    zeroes_gradients: bool
+    """Its engine zeroes the gradients after each optimizer step itself (False: the strategy calls the module's own
+    ``optimizer_zero_grad`` before a step's first micro-batch)."""
 
     def config(self, plan: Plan, *, gradient_clipping: float, device_type: str, tensor_parallel: TensorParallelSpec | None,
                universal: bool) -> dict[str, Any]:
@@ -378,19 +425,16 @@ class Backend(Protocol):
 
     def build(self, module: Any, optimizer: Any, scheduler: Any, *, plan: Plan, config: dict[str, Any], device_rank: int,
               layer_type: str | None) -> tuple[Any, Any]:
-        """(engine, optimizer) executing ``plan`` over ``module`` on the live process group."""
+        """(engine, optimizer) executing ``plan`` over ``module`` on the live process group (``optimizer`` None: the
+        face builds the optimizers after the engine and hands each to :meth:`optimizer`)."""
         ...
 
-    def accumulate(self, engine: Any, loss: Any) -> None:
-        """Backward of a micro-batch that is not its step's last."""
+    def no_sync(self, engine: Any) -> ContextManager[Any]:
+        """The context of a micro-batch that is not its step's last (forward and backward): no gradient reduction."""
         ...
 
-    def pipeline_step(self, engine: Any, micro_batches: list[Any]) -> Any:
-        """One whole optimizer step of a pipeline plan; returns the step's loss."""
-        ...
-
-    def gather_stages(self, engine: Any, module: Any) -> None:
-        """Every pipeline stage's current weights into every rank's module (collective)."""
+    def accumulate(self, engine: Any, loss: Any, backward: Callable[[Any], Any]) -> None:
+        """Backward of a micro-batch that is not its step's last (``backward``: Lightning's, for an engine without its own)."""
         ...
 
     def save(self, engine: Any, directory: str | Path, client_state: dict[str, Any]) -> None:
@@ -410,11 +454,15 @@ class Backend(Protocol):
         ...
 
     def derived_of(self, step: Path) -> Path:
-        """Where :meth:`reshard` puts a checkpoint's converted form (inside the step dir)."""
+        """Where a resharded checkpoint is loaded from (:meth:`reshard`'s converted form, or the state itself)."""
         ...
 
     def record(self, module: Any) -> Any:
         """What the user's module is before the runtime changes it (what :meth:`hand_back` restores)."""
+        ...
+
+    def hand_back_bytes(self, record: Any) -> int:
+        """Host bytes one process needs for :meth:`hand_back` (checked against the free memory first)."""
         ...
 
     def hand_back(self, strategy: Any, record: Any) -> None:
@@ -428,3 +476,17 @@ class Backend(Protocol):
     def state_of(self, step: Path) -> Path:
         """Where a FleetCheckpoint step keeps this runtime's checkpoint."""
         ...
+
+    # --- pipelines (only a runtime whose capabilities run them) ---
+
+    def pipeline_step(self, engine: Any, micro_batches: list[Any]) -> Any:
+        """One whole optimizer step of a pipeline plan; returns the step's loss."""
+        ...
+
+    def gather_stages(self, engine: Any, module: Any) -> None:
+        """Every pipeline stage's current weights into every rank's module (collective)."""
+        ...
+
+
+PIPELINE_CALLS = ("pipeline_step", "gather_stages")
+"""The Backend calls only a runtime that runs pipelines implements."""

@@ -23,11 +23,11 @@ from tests.zoo import CASES, Case, evaluation_kwargs  # noqa: E402
 QUIET = dict(**QUIET_TRAINER, num_sanity_val_steps=0)
 
 
-def run_case(case: Case, plan: str | None, cluster: str | None, steps: int) -> dict:
+def run_case(case: Case, plan: str | None, cluster: str | None, steps: int, runtime: str = "auto") -> dict:
     """Fit, then validate/test/predict one case; the module's weights after fit and what each stage returned."""
     seed_everything(0)
     module, data = case.module(), case.data()
-    strategy = lightning_fleet.FleetStrategy(plan=plan, cluster=cluster)
+    strategy = lightning_fleet.FleetStrategy(plan=plan, cluster=cluster, runtime=runtime)
     trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, **QUIET, **case.trainer)
     trainer.fit(module, **data)
     state = {k: v.detach().clone().float() for k, v in module.state_dict().items()}
@@ -35,6 +35,7 @@ def run_case(case: Case, plan: str | None, cluster: str | None, steps: int) -> d
     return {
         "case": case.name,
         "plan": str(trainer.strategy.plan),
+        "runtime": trainer.strategy.decision.runtime,
         "profile": trainer.strategy.profile.method.value,
         "batch_dependent": trainer.strategy.profile.batch_dependent,
         "global_step": trainer.global_step,
@@ -51,10 +52,11 @@ def main() -> None:
     parser.add_argument("--plan", default="auto", help="'auto' or a (partial) plan string")
     parser.add_argument("--cluster", default=None, help="cluster preset or YAML (default: measure this machine)")
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--runtime", default="auto", help="FleetStrategy(runtime=...)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     plan = None if args.plan == "auto" else args.plan
-    results = [run_case(CASES[name], plan, args.cluster, args.steps) for name in args.cases.split(",")]
+    results = [run_case(CASES[name], plan, args.cluster, args.steps, args.runtime) for name in args.cases.split(",")]
     if int(torch.distributed.get_rank()) == 0:
         torch.save(results, args.out)
 

@@ -10,8 +10,10 @@ time, so importing it stays cheap); imported by the Lightning adapter (:mod:`lig
 from __future__ import annotations
 
 import argparse
+import math
+from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, ContextManager, Iterable
 
 import torch
 
@@ -19,6 +21,7 @@ from lightning_fleet.elastic.checkpoint import VerifiedCheckpoint
 from lightning_fleet.elastic.layout import TAG, state_dir, universal_dir
 from lightning_fleet.planning import FleetError, Plan, Precision, Recompute, parse_plan
 from lightning_fleet.runtime.base import Capabilities, TensorParallelSpec
+from lightning_fleet.runtime.common import checkpointed_forward, engine_zeroes_gradients
 from lightning_fleet.runtime.deepspeed.capabilities import DEEPSPEED
 from lightning_fleet.runtime.deepspeed.checked_engine import checked_loads
 from lightning_fleet.runtime.deepspeed.config import deepspeed_config
@@ -84,9 +87,9 @@ class DeepSpeedBackend:
         Lightning's zero_grad runs after a step's first gas-1 micro-batches and must not wipe them)."""
         patches: list[tuple[Any, str, Any]] = []
         if plan.recompute is Recompute.FULL and plan.pp == 1 and layers is not None:
-            patches += [(layer, "forward", _checkpointed(layer.forward)) for layer in layers]
+            patches += [(layer, "forward", checkpointed_forward(layer.forward)) for layer in layers]
         if getattr(module, "automatic_optimization", True):
-            patches.append((module, "optimizer_zero_grad", _engine_zeroes_gradients))
+            patches.append((module, "optimizer_zero_grad", engine_zeroes_gradients))
         return patches
 
     def build(
@@ -125,9 +128,16 @@ class DeepSpeedBackend:
             check.remove()
         return engine, ds_optimizer
 
-    def accumulate(self, engine: Any, loss: torch.Tensor) -> None:
-        """Backward of one micro-batch that is not the step's last; DeepSpeed counts the micro-step and updates only at
-        the accumulation boundary."""
+    zeroes_gradients: bool = True
+    """The engine zeroes gradients after each optimizer step."""
+
+    def no_sync(self, engine: Any) -> ContextManager[Any]:
+        """A micro-batch that is not its step's last: DeepSpeed defers the reduction itself (gradient accumulation)."""
+        return nullcontext()
+
+    def accumulate(self, engine: Any, loss: torch.Tensor, backward: Callable[[torch.Tensor], Any]) -> None:
+        """Backward of one micro-batch that is not the step's last through the engine (not Lightning's ``backward``);
+        DeepSpeed counts the micro-step and updates only at the accumulation boundary."""
         engine.backward(loss)
         engine.step()
 
@@ -175,6 +185,10 @@ class DeepSpeedBackend:
         """What the module is before the engine replaces, partitions or hooks it (what :meth:`hand_back` restores)."""
         return record_module(module)
 
+    def hand_back_bytes(self, record: ModuleRecord) -> int:
+        """Host bytes one process needs to hand the module back: every tensor gathered whole, in fp32."""
+        return sum(4 * math.prod(t.shape) for t in record.tensors if t.alias_of is None)
+
     def hand_back(self, strategy: Any, record: ModuleRecord) -> None:
         """End of fit (collective): the strategy's module becomes a plain module again, with the trained weights."""
         restore_module(strategy, record)
@@ -187,14 +201,3 @@ class DeepSpeedBackend:
     def state_of(self, step: Path) -> Path:
         """Where a FleetCheckpoint step keeps this runtime's checkpoint."""
         return state_dir(step)
-
-
-def _engine_zeroes_gradients(*args: Any, **kwargs: Any) -> None:
-    """Stands in for LightningModule.optimizer_zero_grad under strategy 'fleet' (DeepSpeed zeroes after each step)."""
-
-
-def _checkpointed(forward: Any) -> Any:
-    """Full recomputation: a layer's forward under torch.utils.checkpoint (non-reentrant)."""
-    from torch.utils.checkpoint import checkpoint
-
-    return lambda *args, **kwargs: checkpoint(forward, *args, use_reentrant=False, **kwargs)

@@ -20,7 +20,7 @@ consumes it; the facade stays offline-only and imports nothing live.
 
 Imports deepspeed only inside its functions (they run beside an engine). Imported by the strategy, by
 :mod:`lightning_fleet.runtime.deepspeed.reader` (:class:`TensorInfo`, :func:`as_export`, :func:`unflat`) and by
-:mod:`lightning_fleet.export` (:data:`LAYOUT_FORMAT`, :func:`save_atomic`).
+:mod:`lightning_fleet.export` (:data:`LAYOUT_FORMAT`).
 """
 
 from __future__ import annotations
@@ -41,8 +41,10 @@ from torch import nn
 from lightning_fleet.elastic.checkpoint import fsync_path, write_atomic
 from lightning_fleet.elastic.layout import EXPORT_LAYOUT, TAG, UNSTAGED
 from lightning_fleet.planning import FleetError
+from lightning_fleet.runtime import runtime_named
+from lightning_fleet.runtime.common import save_atomic
 
-LAYOUT_FORMAT = "lightning_fleet.layout/1"
+LAYOUT_FORMAT = runtime_named("deepspeed").layout_format
 """The version of the layout's content (what :func:`write_layout` writes and the DeepSpeed reader reads); its file name
 and place are :data:`lightning_fleet.elastic.layout.EXPORT_LAYOUT` and :data:`~lightning_fleet.elastic.layout.UNSTAGED`."""
 
@@ -636,19 +638,4 @@ def _wrapper_groups(engine: Any) -> list[list[list[Any]]] | None:
     for mp, entry in everyone:
         by_rank.setdefault(mp, entry)  # data-parallel replicas of one model-parallel rank hold the same groups
     return [by_rank[mp] for mp in sorted(by_rank)]
-
-
-def save_atomic(obj: Any, path: Path) -> None:
-    """torch.save to a temporary file, fsync, rename into place, fsync the directory."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    fsync_path(path.parent)
 

@@ -1,0 +1,209 @@
+"""TorchBackend: a Decision applied with torch's own stack -- engine, micro-steps, save, load, hand-back.
+
+Shard level 0 is :class:`torch.nn.parallel.DistributedDataParallel` over the user's module (the module itself is never
+changed: DDP wraps it, and the end of fit unwraps it). Checkpoints go through torch.distributed.checkpoint
+(:mod:`lightning_fleet.runtime.torch.dcp`: every file read back by the restricted unpickler, checked against the
+manifest), with Lightning's client state (loops, callbacks, hyper-parameters) in one file rank 0 writes beside them and
+the layout file ``fleet export`` reads (:func:`read`).
+
+Imports torch (torch.distributed at call time); imported by the runtime table on use
+(:data:`lightning_fleet.runtime.RUNTIMES`) -- the strategy reaches it through the table, never by name.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any, Callable, ContextManager, Iterable, Mapping
+
+import torch
+from torch import nn
+
+from lightning_fleet.elastic.checkpoint import VerifiedCheckpoint, write_atomic
+from lightning_fleet.elastic.layout import EXPORT_LAYOUT, state_dir
+from lightning_fleet.elastic.safe_load import load_file
+from lightning_fleet.planning import FleetError, Plan, Precision
+from lightning_fleet.runtime import runtime_named
+from lightning_fleet.runtime.base import Capabilities, TensorParallelSpec
+from lightning_fleet.runtime.common import checkpointed_forward, engine_zeroes_gradients, save_atomic
+from lightning_fleet.runtime.torch.capabilities import TORCH
+
+LAYOUT_FORMAT = runtime_named(TORCH.name).layout_format
+"""What the layout file of a torch checkpoint records as its ``format`` (the runtime table's fact)."""
+DCP_DIR = "dcp"
+"""The torch.distributed.checkpoint directory inside a save dir (its ``.metadata`` and ``__<rank>_<n>.distcp`` files)."""
+CLIENT_FILE = "fleet_client.pt"
+"""Lightning's client state of a save (loops, callbacks, hyper-parameters), written by rank 0 beside :data:`DCP_DIR`."""
+_SKIPPED = ("state_dict", "optimizer_states")
+"""What Lightning's checkpoint dict holds that the engine saves itself (through DCP)."""
+
+
+class TorchBackend:
+    """Applies a plan with torch's DistributedDataParallel; checkpoints through torch.distributed.checkpoint."""
+
+    capabilities: Capabilities = TORCH
+    """What torch executes here (the planner and the CLI read the same value)."""
+    zeroes_gradients: bool = False
+    """The engine does not zero gradients itself: the step's first micro-batch starts from the user's zero_grad."""
+
+    def __init__(self) -> None:
+        self._optimizers: list[Any] = []  # the optimizers of the engine being trained (saved and loaded with it)
+
+    def config(
+        self, plan: Plan, *, gradient_clipping: float, device_type: str, tensor_parallel: TensorParallelSpec | None, universal: bool
+    ) -> dict[str, Any]:
+        """The engine's settings: the shard level (gradient clipping is Lightning's own, through its precision plugin)."""
+        return {"zero": plan.zero}
+
+    def preload(self) -> None:
+        """Import torch.distributed, as a training process has it loaded."""
+        import torch.distributed  # noqa: F401
+
+    def precision_refusal(self, precision: str, device_type: str) -> str | None:
+        """One line when torch's autocast cannot train the Lightning ``precision`` here, else None: fp16 autocast on a
+        CPU (Lightning's own DDP turns it into bf16-mixed with a warning; the job would not train what it asked for)."""
+        dtype = Precision.from_lightning(precision).compute_dtype
+        if device_type == "cpu" and dtype == "fp16" and precision.endswith("-mixed"):
+            return (f"precision={precision!r} on a CPU: torch's autocast runs bf16 there (Lightning's DDP switches to "
+                    "'bf16-mixed'); use precision='bf16-mixed' or '32-true' for the torch runtime")
+        return None
+
+    def process_globals(self) -> Iterable[tuple[Any, str]]:
+        """Nothing process-wide changes."""
+        return []
+
+    def module_patches(self, module: nn.Module, plan: Plan, layers: Iterable[nn.Module] | None) -> list[tuple[Any, str, Any]]:
+        """(object, attribute, value) changes for one fit, undone at its end: full recomputation of each layer, and under
+        automatic optimization no gradient zeroing by Lightning between a step's micro-batches (the step's first
+        micro-batch starts from the user's own ``optimizer_zero_grad``, strategy.py)."""
+        patches: list[tuple[Any, str, Any]] = []
+        if plan.recompute.value == "full" and layers is not None:
+            patches += [(layer, "forward", checkpointed_forward(layer.forward)) for layer in layers]
+        if getattr(module, "automatic_optimization", True):
+            patches.append((module, "optimizer_zero_grad", engine_zeroes_gradients))
+        return patches
+
+    def build(self, module: nn.Module, optimizer: Any, scheduler: Any, *, plan: Plan, config: dict[str, Any], device_rank: int,
+              layer_type: str | None) -> tuple[Any, Any]:
+        """(DistributedDataParallel over ``module``, ``optimizer``) on the live default process group."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        if int(config["zero"]) != 0:
+            raise FleetError(f"plan {plan}: the torch runtime runs zero=0 only; use runtime='deepspeed' for zero={config['zero']}")
+        device_ids = [device_rank] if next(module.parameters(), torch.empty(0)).device.type == "cuda" else None
+        return DistributedDataParallel(module, device_ids=device_ids), optimizer
+
+    def optimizer(self, engine: Any, optimizer: Any, *, plan: Plan) -> Any:
+        """The optimizer the engine trains with (at shard level 0 the user's own), remembered for saving and loading."""
+        self._optimizers.append(optimizer)
+        return optimizer
+
+    def no_sync(self, engine: Any) -> ContextManager[Any]:
+        """A micro-batch that is not its step's last: DDP reduces nothing (its gradients accumulate locally)."""
+        return engine.no_sync() if hasattr(engine, "no_sync") else nullcontext()
+
+    def accumulate(self, engine: Any, loss: torch.Tensor, backward: Callable[[torch.Tensor], Any]) -> None:
+        """Backward of one micro-batch that is not the step's last, through Lightning's backward (its precision plugin
+        and the module's backward hooks)."""
+        backward(loss)
+
+    def save(self, engine: Any, directory: str | Path, client_state: dict[str, Any]) -> None:
+        """The engine's model and optimizer state through DCP under ``directory`` (every rank), and Lightning's client
+        state beside it (rank 0)."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        from lightning_fleet.runtime.torch.dcp import save_state
+
+        directory = Path(directory)
+        model_state, optimizer_state = get_state_dict(_inner(engine), self._optimizers)
+        save_state(directory / DCP_DIR, {"model": model_state, "optimizer": optimizer_state})
+        if _rank() == 0:
+            kept = {k: v for k, v in client_state.items() if k not in _SKIPPED}
+            save_atomic(kept, directory / CLIENT_FILE)
+
+    def load(self, engine: Any, directory: str | Path, *, optimizer_states: bool, strict: bool,
+             checkpoint: VerifiedCheckpoint | None) -> dict[str, Any]:
+        """Load a checkpoint a torch engine wrote, at any world size (DCP reshards as it loads), and return the client
+        state; every file is read by the restricted unpickler, checked against ``checkpoint``'s manifest when given."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+        from lightning_fleet.runtime.torch.dcp import load_state
+
+        directory = Path(directory)
+        if not (directory / DCP_DIR).is_dir() or not (directory / CLIENT_FILE).is_file():
+            raise FleetError(f"{directory} holds no checkpoint of the torch runtime (no {DCP_DIR}/ and {CLIENT_FILE}): point ckpt_path at a FleetCheckpoint step or a trainer.save_checkpoint dir of it")
+        module = _inner(engine)
+        model_state, optimizer_state = get_state_dict(module, self._optimizers)
+        state = {"model": model_state, "optimizer": optimizer_state} if optimizer_states else {"model": model_state}
+        load_state(directory / DCP_DIR, state, checkpoint=checkpoint)
+        options = StateDictOptions(strict=strict)
+        set_state_dict(module, self._optimizers, model_state_dict=state["model"],
+                       optim_state_dict=state.get("optimizer", optimizer_state), options=options)
+        return load_file(directory / CLIENT_FILE, _entry(checkpoint, directory / CLIENT_FILE))
+
+    def reshard(self, checkpoint: VerifiedCheckpoint) -> VerifiedCheckpoint:
+        """Nothing to convert: DCP reshards as each rank loads."""
+        return checkpoint
+
+    def derived_of(self, step: Path) -> Path:
+        """A resharded checkpoint loads from where it was saved."""
+        return state_dir(step)
+
+    def record(self, module: nn.Module) -> nn.Module:
+        """The module itself: DDP wraps it without changing it."""
+        return module
+
+    def hand_back_bytes(self, record: nn.Module) -> int:
+        """Nothing to gather: the module already holds the whole trained weights on every rank."""
+        return 0
+
+    def hand_back(self, strategy: Any, record: nn.Module) -> None:
+        """End of fit: the strategy trains the plain module again (its weights are the trained ones on every rank)."""
+        strategy.model = record
+
+    def write_layout(self, strategy: Any, directory: str | Path, record: Any) -> None:
+        """Rank 0: the layout file ``fleet export`` reads (the plan, the world, the format)."""
+        if int(strategy.global_rank) != 0:
+            return
+        plan = strategy.plan
+        layout = {"format": LAYOUT_FORMAT, "plan": str(plan), "world_size": int(strategy.world_size), "dcp": DCP_DIR,
+                  "client": CLIENT_FILE}
+        write_atomic(Path(directory) / EXPORT_LAYOUT, json.dumps(layout, indent=1))
+
+    def state_of(self, step: Path) -> Path:
+        """Where a FleetCheckpoint step keeps this runtime's checkpoint."""
+        return state_dir(step)
+
+
+def read(directory: Path, layout: Mapping[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """``fleet export``'s reader: the full weights of a torch checkpoint in ``directory``, keyed and shaped like the
+    module's ``state_dict()`` (floating tensors fp32), and Lightning's client state; offline, one process."""
+    from lightning_fleet.runtime.torch.dcp import read_full
+
+    state = read_full(directory / str(layout.get("dcp", DCP_DIR)))
+    weights = state.get("model")
+    if not isinstance(weights, Mapping):
+        raise FleetError(f"{directory / DCP_DIR} holds no model state: it is not a checkpoint of the torch runtime")
+    full = {key: value.float() if value.is_floating_point() else value for key, value in weights.items() if isinstance(value, torch.Tensor)}
+    return full, load_file(directory / str(layout.get("client", CLIENT_FILE)))
+
+
+def _inner(engine: Any) -> nn.Module:
+    """The module an engine trains (DDP's ``module``)."""
+    return getattr(engine, "module", engine)
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def _entry(checkpoint: VerifiedCheckpoint | None, path: Path) -> Any:
+    """The manifest entry of ``path`` in ``checkpoint`` (None without one); FleetError when the manifest does not list it."""
+    if checkpoint is None:
+        return None
+    name = path.relative_to(checkpoint.path).as_posix()
+    entry = checkpoint.manifest.files.get(name)
+    if entry is None:
+        raise FleetError(f"checkpoint {checkpoint.path}: {name} is not listed in its manifest; use another checkpoint")
+    return entry
