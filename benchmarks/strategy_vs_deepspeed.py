@@ -1,12 +1,14 @@
-"""FleetStrategy against the same plan written by hand as a bare DeepSpeed loop, side by side in one run.
+"""FleetStrategy against the same layout run by each bare runtime, one table per runtime, side by side in one run.
 
     .venv/bin/python benchmarks/strategy_vs_deepspeed.py     # writes benchmarks/STRATEGY_VS_DEEPSPEED.md
 
-Both jobs run under torchrun on 2 CPU processes (gloo), train the example GPT (4 layers, hidden
-128, seq 128) on the same stdlib text in the same global-batch order, with the plan the planner
-chooses for it (forced in both, so they run the same layout). Each times every optimizer step; the
-report compares the median of the steps after a warm-up, and gives FleetStrategy's start-up
-overhead (profiling, cluster, planning) separately.
+Every job runs under torchrun on 2 CPU processes (gloo) and trains the example GPT (4 layers, hidden 128, seq 128) on
+the same stdlib text in the same global-batch order. DeepSpeed: FleetStrategy with a ZeRO-2 plan fixed on the DeepSpeed
+runtime against the same config written by hand in a bare DeepSpeed loop. torch: FleetStrategy with a zero=0 plan fixed
+on the torch runtime against a bare DistributedDataParallel loop and against ``Trainer(strategy="ddp")`` (the preset a
+Lightning user picks for that layout). Each times every optimizer step; the report compares the median of the steps
+after a warm-up over alternating rounds, and gives FleetStrategy's start-up overhead (profiling, cluster, planning)
+separately.
 """
 
 from __future__ import annotations
@@ -25,13 +27,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 STEPS, WARMUP, GBS = 60, 10, 32
-PLAN = "dp=2,tp=1,pp=1,zero=2,mbs=16,gas=1,recompute=none,sp=false,vpp=1,offload=none"  # every key fixed: nothing left to plan
+PLANS = {  # every key fixed: nothing left to plan
+    "deepspeed": "dp=2,tp=1,pp=1,zero=2,mbs=16,gas=1,recompute=none,sp=false,vpp=1,offload=none,runtime=deepspeed",
+    "torch": "dp=2,tp=1,pp=1,zero=0,mbs=16,gas=1,recompute=none,sp=false,vpp=1,offload=none,runtime=torch",
+}
 MODEL = dict(num_layers=4, hidden_size=128, num_heads=4, seq_length=128)
 DATA = dict(seq_length=128, batch_size=16, limit_bytes=2_000_000)
 
 
-def fleet_job(out: Path) -> None:
-    """Rank code: Trainer(strategy=FleetStrategy(plan=PLAN)), step times from a callback."""
+def fleet_job(out: Path, runtime: str) -> None:
+    """Rank code: Trainer(strategy=FleetStrategy(plan=PLANS[runtime])), step times from a callback."""
     import torch.distributed as dist
     from lightning.pytorch import Callback, Trainer, seed_everything
 
@@ -47,7 +52,7 @@ def fleet_job(out: Path) -> None:
 
     seed_everything(0)
     started = time.perf_counter()
-    strategy = lightning_fleet.FleetStrategy(plan=PLAN, global_batch_size=GBS)
+    strategy = lightning_fleet.FleetStrategy(plan=PLANS[runtime], global_batch_size=GBS)
     trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=STEPS + 1, logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=[StepClock()])
     trainer.fit(GPT(**MODEL), StdlibText(**DATA))
@@ -56,6 +61,61 @@ def fleet_job(out: Path) -> None:
         steps = [b - a for a, b in zip(times, times[1:])][WARMUP:]
         out.write_text(json.dumps({"step_s": steps, "startup": strategy.startup_s, "plan": str(strategy.plan), "total_s": total,
                                    "predicted_step_s": strategy.estimate.time.step_s}))
+
+
+def ddp_job(out: Path) -> None:
+    """Rank code: Trainer(strategy="ddp") on the same module and data (the DataLoader's batch 16 per process)."""
+    import torch.distributed as dist
+    from lightning.pytorch import Callback, Trainer, seed_everything
+
+    from examples.gpt.data import StdlibText
+    from examples.gpt.model import GPT
+
+    times: list[float] = []
+
+    class StepClock(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            times.append(time.perf_counter())
+
+    seed_everything(0)
+    trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=STEPS + 1, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=[StepClock()])
+    trainer.fit(GPT(**MODEL), StdlibText(**DATA))
+    if dist.get_rank() == 0:
+        out.write_text(json.dumps({"step_s": [b - a for a, b in zip(times, times[1:])][WARMUP:]}))
+
+
+def torch_job(out: Path) -> None:
+    """Rank code: the zero=0 plan by hand: DistributedDataParallel over the module, its own optimizer, a plain loop."""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from examples.gpt.data import StdlibText
+    from examples.gpt.model import GPT, next_byte_loss
+    from lightning_fleet.elastic.sampler import GlobalBatchSampler
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = GPT(**MODEL)
+    optimizer = model.configure_optimizers()
+    ddp = DistributedDataParallel(model)
+    dm = StdlibText(**DATA)
+    dm.setup("fit")
+    sampler = GlobalBatchSampler(len(dm.train_set), global_batch_size=GBS, dp_size=world, dp_rank=rank, shuffle=True, seed=0)
+    times = []
+    for step, indices in enumerate(sampler):
+        if step > STEPS:
+            break
+        times.append(time.perf_counter())
+        xs, ys = zip(*(dm.train_set[i] for i in indices))
+        loss = next_byte_loss(ddp(torch.stack(xs)), torch.stack(ys))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    if rank == 0:
+        out.write_text(json.dumps({"step_s": [b - a for a, b in zip(times, times[1:])][WARMUP:]}))
 
 
 def deepspeed_job(out: Path) -> None:
@@ -98,6 +158,7 @@ def deepspeed_job(out: Path) -> None:
 
 
 def launch(role: str, out: Path) -> dict:
+    """One job of ``role`` (fleet-deepspeed, fleet-torch, deepspeed, torch, ddp) under torchrun; its JSON record."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -109,35 +170,52 @@ def launch(role: str, out: Path) -> dict:
     return json.loads(out.read_text())
 
 
+TABLES = {  # runtime -> (the bare jobs it is held against, first the one the goal is stated for)
+    "deepspeed": (("deepspeed", "bare DeepSpeed loop (config by hand)"),),
+    "torch": (("torch", "bare DistributedDataParallel loop (by hand)"), ("ddp", 'Trainer(strategy="ddp")')),
+}
+ROUNDS = 3
+
+
 def main() -> None:
     work = ROOT / "out" / "bench"
     work.mkdir(parents=True, exist_ok=True)
-    rounds = []
-    for i in range(3):  # alternate the two jobs so that drift on this shared box hits both
-        rounds.append((launch("deepspeed", work / f"ds{i}.json"), launch("fleet", work / f"fleet{i}.json")))
-    ds = [s for d, _ in rounds for s in d["step_s"]]
-    fl = [s for _, f in rounds for s in f["step_s"]]
-    fleet = rounds[-1][1]
-    ds_med, fl_med = statistics.median(ds), statistics.median(fl)
-    startup = {k: statistics.median(f["startup"][k] for _, f in rounds) for k in fleet["startup"]}
-    text = f"""# FleetStrategy vs a hand-written DeepSpeed loop
+    steps: dict[str, list[float]] = {}
+    fleet: dict[str, list[dict]] = {}
+    for i in range(ROUNDS):  # alternate every job within a round, so that drift on this shared box hits all of them
+        for runtime, bare in TABLES.items():
+            for role, _ in bare:
+                steps.setdefault(role, []).extend(launch(role, work / f"{role}{i}.json")["step_s"])
+            record = launch(f"fleet-{runtime}", work / f"fleet-{runtime}{i}.json")
+            fleet.setdefault(runtime, []).append(record)
+    text = f"""# FleetStrategy vs the same layout on each bare runtime
 
 Command: `.venv/bin/python benchmarks/strategy_vs_deepspeed.py`
 Machine: {platform.machine()}, {os.cpu_count()} cores, 2 processes under torchrun (gloo), OMP_NUM_THREADS=1, {time.strftime('%Y-%m-%d')}.
-Workload: example GPT (4 layers, hidden 128, seq 128, 0.88 M params), global batch {GBS}, plan `{fleet['plan']}`,
-{STEPS} steps, the first {WARMUP} dropped, 3 alternating rounds of each job.
+Workload: example GPT (4 layers, hidden 128, seq 128, 0.88 M params), global batch {GBS}, {STEPS} steps, the first
+{WARMUP} dropped, {ROUNDS} rounds in which every job below runs once, in the order listed (alternating).
+"""
+    for runtime, bare in TABLES.items():
+        runs = fleet[runtime]
+        flat = statistics.median(s for record in runs for s in record["step_s"])
+        startup = {k: statistics.median(r["startup"][k] for r in runs) for k in runs[-1]["startup"]}
+        rows = [(label, statistics.median(steps[role])) for role, label in bare]
+        text += f"""
+## {runtime}
+
+Plan `{runs[-1]['plan']}`.
 
 | job | median step s | steps/s | samples/s |
 |---|---|---|---|
-| bare DeepSpeed loop (config by hand) | {ds_med:.4f} | {1 / ds_med:.2f} | {GBS / ds_med:.1f} |
-| Trainer(strategy=FleetStrategy(plan=...)) | {fl_med:.4f} | {1 / fl_med:.2f} | {GBS / fl_med:.1f} |
+""" + "".join(f"| {label} | {med:.4f} | {1 / med:.2f} | {GBS / med:.1f} |\n" for label, med in rows) + f"""| Trainer(strategy=FleetStrategy(plan=...)) | {flat:.4f} | {1 / flat:.2f} | {GBS / flat:.1f} |
 
-**Throughput ratio FleetStrategy / bare DeepSpeed: {ds_med / fl_med:.3f}** (goal >= 0.98).
+**Throughput ratio FleetStrategy / {rows[0][0]}: {rows[0][1] / flat:.3f}** (goal >= 0.98).""" + "".join(
+            f" FleetStrategy / {label}: {med / flat:.3f}." for label, med in rows[1:]) + f"""
 
 FleetStrategy start-up overhead (median of the rounds, rank 0): profiling on the meta device
 {startup['profile_s']:.3f} s, cluster (cached measurement) {startup['cluster_s']:.3f} s, planning and broadcast
-{startup['plan_s']:.3f} s; total {sum(startup.values()):.3f} s of a {fleet['total_s']:.1f} s job.
-The cost model predicted {fleet['predicted_step_s']:.4f} s per step for this plan.
+{startup['plan_s']:.3f} s; total {sum(startup.values()):.3f} s of a {runs[-1]['total_s']:.1f} s job.
+The cost model predicted {runs[-1]['predicted_step_s']:.4f} s per step for this plan.
 """
     (ROOT / "benchmarks" / "STRATEGY_VS_DEEPSPEED.md").write_text(text)
     print(text)
@@ -145,6 +223,8 @@ The cost model predicted {fleet['predicted_step_s']:.4f} s per step for this pla
 
 if __name__ == "__main__":
     if len(sys.argv) == 3:
-        {"fleet": fleet_job, "deepspeed": deepspeed_job}[sys.argv[1]](Path(sys.argv[2]))
+        jobs = {"fleet-deepspeed": lambda out: fleet_job(out, "deepspeed"), "fleet-torch": lambda out: fleet_job(out, "torch"),
+                "deepspeed": deepspeed_job, "torch": torch_job, "ddp": ddp_job}
+        jobs[sys.argv[1]](Path(sys.argv[2]))
     else:
         main()

@@ -588,7 +588,7 @@ class FleetStrategy(DDPStrategy):
         self._undo_module_patches()
 
     @property
-    def _engine(self) -> Any:
+    def engine(self) -> Any:
         """The runtime's engine of the last fit (it still saves checkpoints after the module was handed back for
         evaluation)."""
         return self._fit.engine if self._fit.engine is not None else self.model
@@ -688,9 +688,9 @@ class FleetStrategy(DDPStrategy):
         self._zero_gradients()
         losses = []
         for micro in batch[:-1]:
-            with self.backend.no_sync(self._engine):
+            with self.backend.no_sync(self.engine):
                 loss = _loss_of(super().training_step(micro, *rest, **kwargs))
-                self.backend.accumulate(self._engine, self._weighted(loss), self._micro_backward)
+                self.backend.accumulate(self.engine, self._weighted(loss), self._micro_backward)
             losses.append(loss.detach())
         output = super().training_step(batch[-1], *rest, **kwargs)
         last = _loss_of(output)
@@ -719,7 +719,7 @@ class FleetStrategy(DDPStrategy):
     def _pipeline_step(self, batch: MicroBatches) -> torch.Tensor:
         """One optimizer step through the pipeline schedule; Lightning's automatic loop only counts it, steps the
         schedulers and logs."""
-        loss = self.backend.pipeline_step(self._engine, batch)
+        loss = self.backend.pipeline_step(self.engine, batch)
         self.lightning_module.log("train_loss", loss, prog_bar=True)
         return loss
 
@@ -737,12 +737,16 @@ class FleetStrategy(DDPStrategy):
     def _weighted(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` times this replica's share of the step being trained over an equal share, when the replicas' shares
         differ (``dp_mbs``, :class:`ShareSchedule`): the runtime averages the replicas' gradients, which is then the
-        mean over the global batch. The loss the user sees (progress bar, logs) stays unweighted."""
+        mean over the global batch; and over the step's micro-batches where the runtime sums their gradients
+        (``Backend.averages_micro_batches`` False). The loss the user sees (progress bar, logs) stays unweighted."""
+        if not self._engine_in_use():
+            return loss
         schedule = self._fit.shares
         shares = schedule.at(self.lightning_module.trainer.global_step) if schedule is not None else None
-        if shares is None or not self._engine_in_use():
-            return loss
-        return loss * share_weight(shares, self.dp_rank)
+        weight = share_weight(shares, self.dp_rank) if shares is not None else 1.0
+        if not self.backend.averages_micro_batches and self.plan is not None and self.plan.gas > 1:
+            weight /= self.plan.gas
+        return loss if weight == 1.0 else loss * weight
 
     def _rebalance(self) -> None:
         """Every ``rebalance_every_n_steps`` steps (collective: every rank trains the same step): probe each rank's
@@ -816,7 +820,7 @@ class FleetStrategy(DDPStrategy):
         if storage_options is not None:
             raise TypeError(f"Trainer.save_checkpoint(storage_options=...) is not supported by {type(self).__name__}: its checkpoints are directories")
         filepath = self.broadcast(filepath)  # every rank saves into rank 0's path
-        self.backend.save(self._engine, filepath, checkpoint)
+        self.backend.save(self.engine, filepath, checkpoint)
         self.backend.write_layout(self, filepath, self._fit.module_record)  # every rank (collective for ZeRO-0 fp16/bf16 masters); rank 0 writes
         self.barrier("fleet-layout-written")
 
@@ -840,14 +844,14 @@ class FleetStrategy(DDPStrategy):
             raise FleetError(f"checkpoint {path} was not the one this fit decided to continue at setup; pass it as ckpt_path")
         _check_is_directory(path)
         strict = self.lightning_module.strict_loading
-        return self.backend.load(self._engine, path, optimizer_states=True, strict=strict, checkpoint=None)
+        return self.backend.load(self.engine, path, optimizer_states=True, strict=strict, checkpoint=None)
 
     def _load_decided(self, path: Path, resume: Resume) -> dict[str, Any]:
         """The FleetCheckpoint step the decision continues: its universal form when resharded, else its shards and this
         rank's RNG state."""
         manifest, strict = resume.manifest, self.lightning_module.strict_loading
         assert manifest is not None
-        engine = self._engine
+        engine = self.engine
         if resume.kind is ResumeKind.RESHARD:
             assert self._fit.universal is not None
             state = self.backend.load(engine, self.backend.derived_of(path), optimizer_states=True, strict=strict, checkpoint=self._fit.universal)
@@ -936,7 +940,7 @@ class DeepSpeedFleetStrategy(FleetStrategy, DeepSpeedStrategy):
     @property
     def deepspeed_engine(self) -> Any:
         """The engine of the last fit (it still saves checkpoints after the module was handed back for evaluation)."""
-        return self._engine
+        return self.engine
 
 
 class TorchFleetStrategy(FleetStrategy):

@@ -586,8 +586,8 @@ def _collectives(trainer: Any, during: str) -> Any:
 
 
 def _engine(trainer: Any) -> Any:
-    """The engine training the module (FleetStrategy's DeepSpeed engine), else the trainer's model."""
-    return getattr(trainer.strategy, "deepspeed_engine", None) or trainer.model
+    """The engine training the module (FleetStrategy's runtime engine), else the trainer's model."""
+    return getattr(trainer.strategy, "engine", None) or trainer.model
 
 
 def _module_of(engine: Any) -> torch.nn.Module:

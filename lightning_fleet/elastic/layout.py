@@ -102,6 +102,11 @@ EXPORT_LAYOUT = "fleet_layout.json"
 UNSTAGED = "fleet_unstaged.pt"
 """Under pipeline parallelism, in ``state/``: the module's tensors no pipeline layer holds (DeepSpeed saves only
 the layers)."""
+CLIENT = "fleet_client.pt"
+"""The torch runtime's file beside its DCP dir: Lightning's client state of a save (loops, callbacks, hyper-parameters),
+written by rank 0."""
+DCP_DIR = "dcp"
+"""The torch runtime's torch.distributed.checkpoint directory inside a save dir (``state/dcp/``)."""
 UNIVERSAL = "universal"
 """Subdirectory of a step dir holding its universal (layout-free) form, written when resharding."""
 DCP_METADATA = ".metadata"
@@ -185,6 +190,8 @@ KIND_UNSTAGED = "unstaged"
 """``state/fleet_unstaged.pt``: the module's tensors no pipeline layer holds."""
 KIND_LIGHTNING = "lightning"
 """A single-file Lightning checkpoint given to validate/test/predict (never part of a FleetCheckpoint step)."""
+KIND_CLIENT = "client-state"
+"""The torch runtime's :data:`CLIENT` file: Lightning's checkpoint dict without weights or optimizer states."""
 KIND_DATA = "data"
 """A file that is not a pickle (JSON, text, DeepSpeed's ``latest`` and scripts): never unpickled."""
 KIND_DCP_METADATA = "dcp-metadata"
@@ -194,7 +201,7 @@ KIND_DCP_DATA = "dcp-data"
 """A torch.distributed.checkpoint data file (``*.distcp``): torch.save blobs of plain tensors (a rank's slices) and of
 plain Python values (e.g. an optimizer's learning rates), located by the metadata's offsets."""
 FILE_KINDS = (KIND_MODEL_STATES, KIND_LAYER_STATES, KIND_OPTIM_STATES, KIND_UNIVERSAL_FRAGMENT, KIND_UNIVERSAL_OPTIMIZER,
-              KIND_RNG, KIND_UNSTAGED, KIND_LIGHTNING, KIND_DATA, KIND_DCP_METADATA, KIND_DCP_DATA)
+              KIND_RNG, KIND_UNSTAGED, KIND_LIGHTNING, KIND_CLIENT, KIND_DATA, KIND_DCP_METADATA, KIND_DCP_DATA)
 """Every kind a file can be; the restricted loader (elastic/safe_load.py) admits and checks per kind."""
 
 _MODEL_STATES = re.compile(r"^(zero_pp_rank_\d+_)?mp_rank_\d+_model_states\.pt$")
@@ -219,6 +226,8 @@ def kind_of(name: str) -> str:
         return KIND_RNG
     if base == UNSTAGED:
         return KIND_UNSTAGED
+    if base == CLIENT:
+        return KIND_CLIENT
     if base == "optimizer_state.pt" and parts[-2:-1] == ("zero",):
         return KIND_UNIVERSAL_OPTIMIZER
     if base in _FRAGMENTS and len(parts) >= 3 and parts[-3] == "zero":

@@ -90,13 +90,14 @@ DCP_KINDS = frozenset({layout.KIND_DCP_METADATA, layout.KIND_DCP_DATA})
 _DEEPSPEED_HOLDS = "tensors and DeepSpeed's own values"
 _HOLDS = {layout.KIND_DCP_METADATA: "torch.distributed.checkpoint's own records",
           layout.KIND_DCP_DATA: "plain tensors and plain Python values"}
-USER_KINDS = frozenset({layout.KIND_MODEL_STATES, layout.KIND_LIGHTNING})
+USER_KINDS = frozenset({layout.KIND_MODEL_STATES, layout.KIND_LIGHTNING, layout.KIND_CLIENT})
 """Kinds that hold the user's client state (hyper-parameters, callback state): there the globals the user admitted with
 ``torch.serialization.add_safe_globals`` are admitted too."""
 
 ALLOWED_GLOBALS: Mapping[str, tuple[str, ...]] = {
     layout.KIND_MODEL_STATES: ("torch.Size", "torch.device", "builtins.set", *_SCALERS, _ZERO_STAGE, _FRAGMENT, *_HYPER),
     layout.KIND_LIGHTNING: ("torch.Size", "torch.device", "builtins.set", *_HYPER),
+    layout.KIND_CLIENT: ("torch.Size", "torch.device", "builtins.set", *_HYPER),
     layout.KIND_LAYER_STATES: (),
     layout.KIND_UNSTAGED: (),
     layout.KIND_OPTIM_STATES: (*_SCALERS, _ZERO_STAGE, _FRAGMENT, "torch._tensor._rebuild_from_type_v2", "torch.Tensor"),
@@ -114,7 +115,8 @@ partitions, ``fragment_address`` in their slice mappings -- also in the model st
 its own file: bf16 at ZeRO-0, e.g. under a pipeline --, ZeRO-3's flat groups as tensors with a ``ds_id``), and for the
 files holding Lightning's client state the standard-library values hyper-parameters commonly hold (LightningCLI paths,
 namespaces). A DCP metadata file holds DCP's records, sizes, the strided layout and the save dir's path (measured on
-torch 2.13's saves of plain, DTensor and FSDP2 state dicts); a DCP data file only tensors and plain values. A :data:`~lightning_fleet.elastic.layout.KIND_DATA` file is never unpickled."""
+torch 2.13's saves of plain, DTensor and FSDP2 state dicts); a DCP data file only tensors and plain values. A
+:data:`~lightning_fleet.elastic.layout.KIND_DATA` file is never unpickled."""
 
 TENSOR_ATTRIBUTES: Mapping[str, frozenset[str]] = {
     layout.KIND_OPTIM_STATES: frozenset({"ds_id"}),
@@ -219,6 +221,17 @@ def _strided(name: Any) -> torch.layout:
     return torch.strided
 
 
+def _memory_format_code(enum: type) -> Callable[[Any], Any]:
+    """DCP's ``_MEM_FORMAT_ENCODING(code)`` for an integer code only (an enum class called with more makes a new
+    enum)."""
+    def member(code: Any) -> Any:
+        if type(code) is not int:
+            raise Refused(f"a DCP memory format code of type {type(code).__name__}")
+        return enum(code)
+
+    return member
+
+
 def _properties_state(memory_format: type) -> Callable[[Any], None]:
     """The check of DCP's ``TensorProperties`` state: (dtype, torch.strided, bool, a memory format code, bool)."""
     def check(state: Any) -> None:
@@ -230,11 +243,13 @@ def _properties_state(memory_format: type) -> Callable[[Any], None]:
     return check
 
 
-RulesOfKind = tuple[dict[str, Any], tuple[Any, ...], frozenset[type], dict[type, frozenset[str] | None], dict[type, Callable[[Any], None]]]
+_KindRules = tuple[dict[str, Any], tuple[Any, ...], frozenset[type], dict[type, frozenset[str] | None],
+                   dict[type, Callable[[Any], None]]]
+"""What :func:`_kind_rules` returns: globals, callables, classes, buildable types, checked ``__setstate__`` states."""
 
 
 @cache
-def _kind_rules(kind: str) -> RulesOfKind:
+def _kind_rules(kind: str) -> _KindRules:
     """The globals, callables, classes, buildable types and checked ``__setstate__`` states of ``kind`` that do not
     depend on the user (cached)."""
     table: dict[str, Any] = {"torch._utils._rebuild_tensor_v2": _rebuild_tensor, "collections.OrderedDict": OrderedDict, **_dtypes()}
@@ -242,7 +257,7 @@ def _kind_rules(kind: str) -> RulesOfKind:
     classes: set[type] = set()
     attributes: dict[type, frozenset[str] | None] = {}
     states: dict[type, Callable[[Any], None]] = {}
-    if kind in (layout.KIND_MODEL_STATES, layout.KIND_LIGHTNING, layout.KIND_LAYER_STATES, layout.KIND_UNSTAGED):
+    if kind in (layout.KIND_MODEL_STATES, layout.KIND_LIGHTNING, layout.KIND_CLIENT, layout.KIND_LAYER_STATES, layout.KIND_UNSTAGED):
         attributes[OrderedDict] = frozenset({"_metadata"})  # a module's state_dict keeps its version metadata there
     for dotted in ALLOWED_GLOBALS[kind]:
         value = _resolve(dotted)
@@ -254,6 +269,8 @@ def _kind_rules(kind: str) -> RulesOfKind:
             value = _path_factory(value)
         elif dotted == _LAYOUT:
             value = _strided
+        elif dotted == _DCP_MEMORY_FORMAT:
+            value = _memory_format_code(value)
         table[dotted] = value
         if dotted in _DCP_RECORDS:
             classes.add(value)

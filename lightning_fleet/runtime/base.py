@@ -397,6 +397,9 @@ class Backend(Protocol):
 
     capabilities: Capabilities
     """What the runtime executes."""
+    averages_micro_batches: bool
+    """Its engine averages a step's micro-batch gradients itself (False: they are summed, and the strategy weights each
+    micro-batch's loss by 1/gas)."""
     zeroes_gradients: bool
     """Its engine zeroes the gradients after each optimizer step itself (False: the strategy calls the module's own
     ``optimizer_zero_grad`` before a step's first micro-batch)."""

@@ -128,6 +128,8 @@ class DeepSpeedBackend:
             check.remove()
         return engine, ds_optimizer
 
+    averages_micro_batches: bool = True
+    """The engine scales each micro-batch's loss by 1/gas itself (its ``gradient_accumulation_steps``)."""
     zeroes_gradients: bool = True
     """The engine zeroes gradients after each optimizer step."""
 

@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from lightning_fleet.elastic.checkpoint import VerifiedCheckpoint, write_atomic
-from lightning_fleet.elastic.layout import EXPORT_LAYOUT, state_dir
+from lightning_fleet.elastic.layout import CLIENT as CLIENT_FILE
+from lightning_fleet.elastic.layout import DCP_DIR, EXPORT_LAYOUT, state_dir
 from lightning_fleet.elastic.safe_load import load_file
 from lightning_fleet.planning import FleetError, Plan, Precision
 from lightning_fleet.runtime import runtime_named
@@ -31,10 +32,6 @@ from lightning_fleet.runtime.torch.capabilities import TORCH
 
 LAYOUT_FORMAT = runtime_named(TORCH.name).layout_format
 """What the layout file of a torch checkpoint records as its ``format`` (the runtime table's fact)."""
-DCP_DIR = "dcp"
-"""The torch.distributed.checkpoint directory inside a save dir (its ``.metadata`` and ``__<rank>_<n>.distcp`` files)."""
-CLIENT_FILE = "fleet_client.pt"
-"""Lightning's client state of a save (loops, callbacks, hyper-parameters), written by rank 0 beside :data:`DCP_DIR`."""
 _SKIPPED = ("state_dict", "optimizer_states")
 """What Lightning's checkpoint dict holds that the engine saves itself (through DCP)."""
 
@@ -44,6 +41,8 @@ class TorchBackend:
 
     capabilities: Capabilities = TORCH
     """What torch executes here (the planner and the CLI read the same value)."""
+    averages_micro_batches: bool = False
+    """Autograd sums the micro-batches' gradients: the strategy weights each loss by 1/gas."""
     zeroes_gradients: bool = False
     """The engine does not zero gradients itself: the step's first micro-batch starts from the user's zero_grad."""
 

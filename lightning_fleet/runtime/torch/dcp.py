@@ -147,9 +147,13 @@ class _Source:
         """FleetError naming the first entry of the directory (besides subdirectories) its manifest does not list."""
         if self.checkpoint is None:
             return
-        with os.scandir(self.directory) as entries:
-            for name in sorted(e.name for e in entries if e.is_symlink() or not e.is_dir()):
-                self._entry(name)
+        try:
+            with os.scandir(self.directory) as entries:
+                names = sorted(e.name for e in entries if e.is_symlink() or not e.is_dir())
+        except OSError as err:
+            raise FleetError(f"cannot list the DCP checkpoint in {self.directory} ({err.strerror}); use another checkpoint") from None
+        for name in names:
+            self._entry(name)
 
 
 # --- DCP's reader and planner, restricted ------------------------------------------------------------------------------
