@@ -227,14 +227,19 @@ def _executing(
     """Those of ``runtimes`` that execute the axes the user fixed for this module and the job's options, and why each
     other does not ('torch: plan zero=3: torch runs zero 0 only; ...'); FleetError (one line: each runtime and why not)
     when none does."""
-    kept, why = [], []
+    kept, why, specific = [], [], []
     for caps in runtimes:
         refusal = caps.refusal(partial, module.hooks) or caps.job_refusal(require_offload=options.require_offload, zero_stages=options.zero_stages)
         if refusal is None:
             kept.append(caps)
-        else:
-            why.append(refusal if len(runtimes) == 1 else f"{caps.name}: {refusal}")
+            continue
+        why.append(refusal if len(runtimes) == 1 else f"{caps.name}: {refusal}")
+        if caps.runs_axes(partial):
+            specific.append(refusal)
     if not kept:
+        # a runtime that runs the plan's axes but not for this module says what to change; one that lacks an axis does not
+        if len(specific) == 1:
+            raise FleetError(specific[0])
         raise FleetError(why[0] if len(why) == 1 else "no runtime executes this job: " + "; ".join(why))
     return tuple(kept), tuple(why)
 

@@ -131,21 +131,6 @@ class FleetStrategy(DDPStrategy):
 
     strategy_name = "fleet"
 
-    def __new__(cls, *args: Any, runtime: str = AUTO, **kwargs: Any) -> "FleetStrategy":
-        """``FleetStrategy(...)`` builds the face of the runtime asked for: Lightning chooses the precision plugin (and a
-        few callbacks' behaviour) by the strategy's class when the Trainer is built, before any plan exists. Under
-        ``runtime="auto"`` it is DeepSpeed's face when DeepSpeed is installed (its Lightning class holds every attribute
-        the torch face's does: DeepSpeedStrategy derives from DDPStrategy), and :meth:`_become` turns it into the
-        chosen runtime's face at setup."""
-        if cls is not FleetStrategy:
-            return super().__new__(cls)
-        if runtime == AUTO:
-            installed = [r for r in RUNTIMES if r.installed()]
-            chosen = next((r for r in installed if r.name == "deepspeed"), installed[0] if installed else RUNTIMES[0])
-        else:
-            chosen = _installed_runtime(runtime)
-        return super().__new__(globals()[chosen.face])
-
     def __init__(
         self,
         plan: str | None = None,
@@ -175,6 +160,7 @@ class FleetStrategy(DDPStrategy):
         process_group_backend: str | None = None,
     ) -> None:
         install_error_hook()  # an uncaught FleetError is one line per job (and, when deterministic, no restart loop)
+        self._take_face(runtime)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -226,6 +212,21 @@ class FleetStrategy(DDPStrategy):
         self.resumed_from: Path | None = None
         """The checkpoint this fit resumed from (None for a fresh start)."""
         self._fit = _FitState()
+
+    def _take_face(self, runtime: str) -> None:
+        """Become the Lightning face of the runtime asked for, before Lightning's own __init__ runs: Lightning chooses
+        the precision plugin (and a few callbacks' behaviour) by the strategy's class when the Trainer is built, before
+        any plan exists. Under ``runtime="auto"`` it is DeepSpeed's face when DeepSpeed is installed (its Lightning class
+        holds every attribute the torch face's does: DeepSpeedStrategy derives from DDPStrategy), and :meth:`_become`
+        turns it into the chosen runtime's face at setup. A face (or a subclass of one) stays what it is."""
+        if _runtime_of_class(type(self)) is not None:
+            return
+        if runtime == AUTO:
+            installed = [r for r in RUNTIMES if r.installed()]
+            chosen = next((r for r in installed if r.name == "deepspeed"), installed[0] if installed else RUNTIMES[0])
+        else:
+            chosen = _installed_runtime(runtime)
+        self.__class__ = _with_face(type(self), chosen)
 
     # --- what was decided ---------------------------------------------------------------------------
 
@@ -433,9 +434,9 @@ class FleetStrategy(DDPStrategy):
         """Turn into the face of the runtime the decision chose (the same object: the Trainer holds it): its class, its
         backend, and the precision plugin Lightning would have built for that class."""
         runtime = runtime_named(name)
-        if type(self).__name__ == runtime.face:
+        if _runtime_of_class(type(self)) is runtime:
             return
-        self.__class__ = globals()[runtime.face]
+        self.__class__ = _with_face(type(self), runtime)
         self.backend = runtime.load_backend()
         self.precision_plugin = _autocast_precision(str(self.precision_plugin.precision), self.root_device.type)
 
@@ -1039,9 +1040,34 @@ def _installed_runtime(name: str) -> Runtime:
     return runtime
 
 
-def _face_runtime(face: type) -> Runtime:
-    """The runtime whose face ``face`` is."""
-    return next(r for r in RUNTIMES if r.face == face.__name__)
+def _runtime_of_class(cls: type) -> Runtime | None:
+    """The runtime whose face ``cls`` is or derives from (None: FleetStrategy itself, or a user's subclass of it)."""
+    names = {klass.__name__ for klass in cls.__mro__ if klass.__module__ == __name__}
+    return next((r for r in RUNTIMES if r.face in names), None)
+
+
+def _face_runtime(cls: type) -> Runtime:
+    """The runtime whose face ``cls`` is."""
+    runtime = _runtime_of_class(cls)
+    assert runtime is not None, f"{cls.__name__} is no runtime's face"
+    return runtime
+
+
+_FACED: dict[tuple[type, str], type] = {}
+"""(a user's FleetStrategy subclass, a runtime) -> that subclass on the runtime's face, made once."""
+
+
+def _with_face(cls: type, runtime: Runtime) -> type:
+    """``cls`` on ``runtime``'s face: the face itself for FleetStrategy or another face; for a user's subclass of
+    FleetStrategy, a class deriving from both (its overrides first), named like it."""
+    face = globals()[runtime.face]
+    plain = next((klass for klass in cls.__mro__ if _runtime_of_class(klass) is None), FleetStrategy)
+    if plain is FleetStrategy:
+        return face
+    key = (plain, runtime.name)
+    if key not in _FACED:
+        _FACED[key] = type(plain.__name__, (plain, face), {"__module__": plain.__module__, "__qualname__": plain.__qualname__})
+    return _FACED[key]
 
 
 def _check_is_directory(path: Path) -> None:

@@ -398,7 +398,7 @@ def test_skip_leaves_the_zero0_step_unapplied_on_every_rank(tmp_path):
     """non_finite='skip': the NaN step (on rank 0 only) changes neither weights nor optimizer state; reported."""
     done = run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
                 f"--master-port={free_port()}", str(WORKER), "--dir", str(tmp_path), "--nan-at", "5", "--nan-ranks", "0",
-                "--plan", "dp=2,zero=0", "--non-finite", "skip", "--every", "1", "--keep", "9"], worker_env(tmp_path), 150)
+                "--plan", "dp=2,zero=0,runtime=deepspeed", "--non-finite", "skip", "--every", "1", "--keep", "9"], worker_env(tmp_path), 150)
     assert done.returncode == 0, done.stdout[-3000:]
     assert "lightning_fleet: step 5: the loss is NaN on rank 0; the step was skipped" in done.stdout
     assert "1 step(s) skipped for a non-finite loss or gradient (non_finite='skip'): 5" in done.stdout
@@ -413,7 +413,7 @@ def test_skip_leaves_the_zero0_step_unapplied_on_every_rank(tmp_path):
     assert all(bool(torch.isfinite(t).all()) for t in result["state"].values())
 
 
-def _fit_in_process(tmp_path, *, steps: int, callbacks=(), keep: int = 1, plan: str = "dp=1,zero=0", **strategy):
+def _fit_in_process(tmp_path, *, steps: int, callbacks=(), keep: int = 1, plan: str = "dp=1,zero=0,runtime=deepspeed", **strategy):
     import lightning.pytorch as pl
     from lightning.pytorch import Trainer, seed_everything
     from torch.utils.data import DataLoader, TensorDataset
@@ -516,15 +516,17 @@ def test_a_nan_gradient_with_a_finite_loss_stops_the_job_in_one_line(tmp_path, z
 
 @pytest.mark.unit
 @pytest.mark.usefixtures("restore_environment")
-def test_skip_drops_a_nan_gradient_at_zero0(tmp_path):
-    """non_finite='skip' with a finite loss and a NaN gradient at ZeRO-0 (the torch optimizer stepped directly):
-    the step changes nothing. Before: applied, the weights became NaN."""
-    trainer, module, data = _fit_in_process(tmp_path, steps=5, keep=9, non_finite="skip")
+@pytest.mark.parametrize("runtime", ["deepspeed", "torch"])
+def test_skip_drops_a_nan_gradient_at_zero0(tmp_path, runtime):
+    """non_finite='skip' with a finite loss and a NaN gradient at ZeRO-0 (the torch optimizer stepped directly), on
+    either runtime: the step changes nothing. Before: applied, the weights became NaN."""
+    from lightning_fleet.export import export_state_dict
+
+    trainer, module, data = _fit_in_process(tmp_path, steps=5, keep=9, non_finite="skip", plan=f"dp=1,zero=0,runtime={runtime}")
     module.gradient_nan_at = 3
     trainer.fit(module, data)
-    assert _guard(trainer).skipped == [3]
-    states = {step: torch.load(next((tmp_path / "ckpt" / step_dir_name(step) / "state" / "checkpoint").glob("*model_states.pt")),
-                               weights_only=False)["module"] for step in (2, 3, 4)}
+    assert _guard(trainer).skipped == [3] and trainer.strategy.decision.runtime == runtime
+    states = {step: export_state_dict(tmp_path / "ckpt" / step_dir_name(step)) for step in (2, 3, 4)}
     assert all(torch.equal(states[2][k], states[3][k]) and not torch.equal(states[3][k], states[4][k]) for k in states[2])
     assert all(bool(torch.isfinite(p).all()) for p in module.parameters())
 

@@ -339,7 +339,7 @@ def test_resize_across_plan_kinds_replans_reshards_and_loses_nothing(tmp_path):
     batch stays), converts the newest checkpoint to the universal form every ZeRO stage loads and
     continues; the final weights equal the one-process reference within 2e-5.
     """
-    first = launch(tmp_path, "--steps", "4", "--every", "2", "--plan", "dp=2,zero=0", restarts=0)
+    first = launch(tmp_path, "--steps", "4", "--every", "2", "--plan", "dp=2,zero=0,runtime=deepspeed", restarts=0)
     assert finish(first) == 0, (tmp_path / "launch.log").read_text()[-3000:]
     down = launch(tmp_path, "--steps", "7", "--every", "3", "--zero-stages", "3", restarts=0, nproc=1)
     assert finish(down) == 0, (tmp_path / "launch.log").read_text()[-3000:]
@@ -350,7 +350,24 @@ def test_resize_across_plan_kinds_replans_reshards_and_loses_nothing(tmp_path):
     assert "resharded from 2 to 1 processes, dp=2,tp=1,pp=1,zero=0," in log
     assert "resharded from 1 to 2 processes, dp=1,tp=1,pp=1,zero=3," in log
     result = torch.load(tmp_path / "final.pt", weights_only=False)
-    assert result["plan"].startswith("dp=2,") and ",zero=1," in result["plan"] and result["plan"].endswith("offload=optimizer")
+    assert result["plan"].startswith("dp=2,") and ",zero=1," in result["plan"] and ",offload=optimizer," in result["plan"]
+    ref_loss, ref_state = reference_run(10, GBS)
+    assert result["global_step"] == 10 and result["eval_loss"] == pytest.approx(ref_loss, rel=1e-5)
+    for name, tensor in result["state"].items():
+        torch.testing.assert_close(tensor, ref_state[name], atol=2e-5, rtol=0, msg=name)
+
+
+def test_the_torch_runtime_reshards_2_to_1_to_2_processes_through_dcp_and_loses_nothing(tmp_path):
+    """DistributedDataParallel on 2 processes -> 1 -> 2: each relaunch loads the newest checkpoint as
+    torch.distributed.checkpoint wrote it (no conversion), re-plans the split, and the final weights equal the
+    one-process reference within 2e-5."""
+    for steps, nproc in ((4, 2), (7, 1), (10, 2)):
+        job = launch(tmp_path, "--steps", str(steps), "--every", "3", "--plan", "runtime=torch", restarts=0, nproc=nproc)
+        assert finish(job) == 0, (tmp_path / "launch.log").read_text()[-3000:]
+    log = (tmp_path / "launch.log").read_text()
+    assert "resharded from 2 to 1 processes" in log and "resharded from 1 to 2 processes" in log
+    result = torch.load(tmp_path / "final.pt", weights_only=False)
+    assert result["plan"].startswith("dp=2,") and result["plan"].endswith(",runtime=torch")
     ref_loss, ref_state = reference_run(10, GBS)
     assert result["global_step"] == 10 and result["eval_loss"] == pytest.approx(ref_loss, rel=1e-5)
     for name, tensor in result["state"].items():

@@ -51,6 +51,17 @@ DEEPSPEED_HOME = "lightning_fleet.runtime.deepspeed"
 """The only package that imports ``deepspeed``."""
 DEEPSPEED_ELSEWHERE: dict[str, str] = {}
 """Known exceptions to DEEPSPEED_HOME, each with its reason; remove an entry when its module stops importing deepspeed."""
+TORCH_HOME = "lightning_fleet.runtime.torch"
+"""The only package that imports torch's parallel stack (:data:`TORCH_PARALLEL`)."""
+TORCH_PARALLEL = ("torch.distributed.fsdp", "torch.distributed.tensor.parallel", "torch.distributed.checkpoint",
+                  "torch.distributed.pipelining", "torch.distributed.optim", "torch.nn.parallel")
+"""torch's packages that apply a layout (FSDP2, DTensor tensor parallelism, DCP, pipelining, ZeroRedundancyOptimizer,
+DistributedDataParallel): a runtime's business, so only the torch runtime imports them."""
+TORCH_ELSEWHERE: dict[str, str] = {
+    "lightning_fleet.elastic.safe_load": "checks an unpickled DCP .metadata against DCP's own record types (every file kind "
+                                         "is checked in this one module, before any runtime sees it)",
+}
+"""Known exceptions to TORCH_HOME, each with its reason."""
 
 STRATEGY = "lightning_fleet.strategy"
 """The Lightning adapter: only the modules above it import it."""
@@ -225,6 +236,15 @@ def test_only_the_deepspeed_runtime_imports_deepspeed() -> None:
     assert not offenders, f"deepspeed is imported outside {DEEPSPEED_HOME}: {offenders}"
 
 
+def test_only_the_torch_runtime_imports_torchs_parallel_stack() -> None:
+    offenders = sorted(
+        f"{name} ({i})" for name, path in modules().items() if not _within(name, TORCH_HOME) and name not in TORCH_ELSEWHERE
+        for i in imported_by(path) if any(_within(i, package) for package in TORCH_PARALLEL)
+    )
+    assert not offenders, f"torch's parallel stack is imported outside {TORCH_HOME}: {offenders}"
+    assert any(_within(i, "torch.distributed.checkpoint") for i in imported_by(modules()[f"{TORCH_HOME}.dcp"]))  # the rule bites
+
+
 def test_only_the_modules_above_the_strategy_import_it() -> None:
     offenders = sorted(
         name for name, edges in graph().items()
@@ -237,6 +257,8 @@ def test_every_known_exception_still_applies() -> None:
     """An exception whose module is gone, or no longer does what it excuses, is removed from its list."""
     stale = [f"DEEPSPEED_ELSEWHERE: {name}" for name in DEEPSPEED_ELSEWHERE
              if name not in modules() or not any(_top(i) == "deepspeed" for i in imported_by(modules()[name]))]
+    stale += [f"TORCH_ELSEWHERE: {name}" for name in TORCH_ELSEWHERE
+              if name not in modules() or not any(_within(i, p) for i in imported_by(modules()[name]) for p in TORCH_PARALLEL)]
     stale += [f"ABOVE_THE_STRATEGY: {name}" for name in ABOVE_THE_STRATEGY
               if name not in modules() or not any(_within(i, STRATEGY) for i in graph()[name])]
     assert not stale, f"exceptions that no longer apply: {stale}"

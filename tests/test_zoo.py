@@ -1,5 +1,5 @@
 """Tier 3: the module zoo (tests/zoo.py: modules and data as users write them) trained on 2 gloo processes under
-strategy "fleet" with an automatic plan (which the torch runtime trains: DistributedDataParallel at zero=0) and with a
+strategy "fleet" on the torch runtime (DistributedDataParallel; the planner chooses the rest of the plan) and with a
 forced ZeRO-3 plan (which DeepSpeed trains), each held against plain single-process Lightning.
 
 The reference is ``Trainer(devices=1)`` without lightning_fleet's strategy, fed the same global batches in the same
@@ -30,7 +30,7 @@ WORKER = ROOT / "tests" / "workers" / "zoo_worker.py"
 STEPS, WORLD = 4, 2
 GLOBAL_BATCH = BATCH_SIZE * WORLD
 NAMES = sorted(CASES)
-PLANS = {"auto": "auto", "zero3": "zero=3"}
+PLANS = {"torch": "runtime=torch", "zero3": "zero=3"}
 
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.usefixtures("restore_environment")]  # in-process Trainers change os.environ
@@ -109,7 +109,7 @@ def test_case_trains_like_one_process(name, trained, references):
     assert result["global_step"] == STEPS
     if setting == "zero3":
         assert ",zero=3," in result["plan"] and result["runtime"] == "deepspeed"
-    else:  # zero=0 priced alike on both runtimes: the tie goes to torch, the first in the runtime table
+    else:
         assert result["runtime"] == "torch" and ",zero=0," in result["plan"], result["plan"]
     if case.batch_dependent:  # the strategy keeps the DataLoader's batch size as the micro-batch for such losses
         assert result["batch_dependent"] and f",mbs={BATCH_SIZE}," in result["plan"], result["plan"]

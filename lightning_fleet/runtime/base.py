@@ -287,6 +287,12 @@ class Capabilities:
             return f"{self.label} runs zero {_either(self.zero_stages)}, and FleetStrategy(zero_stages={tuple(zero_stages)})"
         return None
 
+    def runs_axes(self, plan: Plan | PartialPlan) -> bool:
+        """Whether this runtime runs every axis ``plan`` (its fixed axes, for a partial one) uses at all, whatever the
+        module (a refusal then comes from the module or the combination, not from a missing axis)."""
+        offloads = plan.offload not in (None, Offload.NONE)
+        return not self._missing_axis(tp=plan.tp or 1, pp=plan.pp or 1, zero=plan.zero or 0, offloads=offloads)
+
     def _missing_axis(self, *, tp: int, pp: int, zero: int, offloads: bool) -> str:
         """'no tensor parallelism; use tp=1' for the first axis of a plan this runtime does not run at all, else ''."""
         if zero not in self.zero_stages:

@@ -184,6 +184,7 @@ def main() -> None:
         dm = StdlibText(**DATA)
         where = Path(args.save_to) / str(index)
         strategy = RecordingStrategy(
+            runtime="deepspeed",  # what it records and restores is DeepSpeed's engine
             plan=plan,
             global_batch_size=args.gbs,
             cluster=args.cluster,
