@@ -1,18 +1,21 @@
-"""FleetStrategy: the Lightning adapter. It decides once (:mod:`lightning_fleet.decide`) and applies the Decision
-through a runtime backend (:class:`lightning_fleet.runtime.deepspeed.backend.DeepSpeedBackend`).
+"""FleetStrategy: the Lightning adapter. It decides once (:mod:`lightning_fleet.decide`: the plan and the runtime) and
+applies the Decision through that runtime's backend (the runtime table, :data:`lightning_fleet.runtime.RUNTIMES`).
 
-What lives here is only what Lightning's seams need: the options a user passes, the fit's setup order (read the data,
-measure the cluster, choose the checkpoint to continue, decide on rank 0 and broadcast once, apply), Lightning's
-CUDA-only DeepSpeed seams lifted on CPU, evaluation outside fit on whole-module replicas, and the training step's
-micro-batches. The plan comes from the planning core, the DeepSpeed calls from the backend, the checkpoint layout from
-:mod:`lightning_fleet.elastic.layout`, the data order from :mod:`lightning_fleet.data`. Imported by the package's
-``__init__`` and the presets' registration; nothing below it imports it (tests/test_layering.py).
+Three classes: :class:`FleetStrategy` (on Lightning's DDPStrategy) holds what every runtime shares -- the options a user
+passes, the fit's setup order (read the data, measure the cluster, choose the checkpoint to continue, decide on rank 0
+and broadcast once, apply), evaluation outside fit on whole-module replicas, the training step's micro-batches, their
+loss weights, the load route and the hand-back -- and one thin face per runtime, on the Lightning class whose precision
+plugin it needs: :class:`DeepSpeedFleetStrategy` (DeepSpeedStrategy, its CUDA-only seams lifted on CPU) and
+:class:`TorchFleetStrategy` (DDPStrategy). ``FleetStrategy(...)`` becomes the face of the runtime asked for, and at
+setup the face of the runtime the decision chose. The plan comes from the planning core, the runtime's calls from its
+backend, the checkpoint layout from :mod:`lightning_fleet.elastic.layout`, the data order from
+:mod:`lightning_fleet.data`. Imported by the package's ``__init__`` and the presets' registration; nothing below it
+imports it (tests/test_layering.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import sys
 import time

@@ -28,7 +28,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-import os
 import types
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -38,7 +37,7 @@ from typing import Any, Iterable, Mapping
 import torch
 from torch import nn
 
-from lightning_fleet.elastic.checkpoint import fsync_path, write_atomic
+from lightning_fleet.elastic.checkpoint import write_atomic
 from lightning_fleet.elastic.layout import EXPORT_LAYOUT, TAG, UNSTAGED
 from lightning_fleet.planning import FleetError
 from lightning_fleet.runtime import runtime_named
