@@ -93,7 +93,7 @@ def main() -> None:
                 "state": state,
                 "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
                 "world_size": trainer.world_size,
-                "local_params": sum(p.numel() for p in trainer.strategy.engine.module.parameters()),
+                "local_params": sum(p.numel() for p in getattr(trainer.strategy.engine, "module", trainer.strategy.engine).parameters()),
             }
         )
     if int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))) == 0 and trainer.global_rank == 0:

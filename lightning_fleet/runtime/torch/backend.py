@@ -158,8 +158,12 @@ class TorchBackend:
         return 0
 
     def hand_back(self, strategy: Any, record: nn.Module) -> None:
-        """End of fit: the strategy trains the plain module again (its weights are the trained ones on every rank)."""
+        """End of fit: the strategy holds the plain module again (its weights are the trained ones on every rank), and
+        the DDP wrapper is let go while the process group lives: a wrapper alive at interpreter exit keeps its reducer's
+        gloo group until the teardown, whose destruction there aborts the process ("terminate called without an active
+        exception", seen on rank 1 after a finished fit; pytorch/pytorch#65231). Later saves need only the module."""
         strategy.model = record
+        strategy._fit.engine = record
 
     def write_layout(self, strategy: Any, directory: str | Path, record: Any) -> None:
         """Rank 0: the layout file ``fleet export`` reads (the plan, the world, the format)."""
