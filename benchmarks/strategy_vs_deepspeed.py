@@ -91,9 +91,7 @@ def torch_job(out: Path) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from examples.gpt.data import StdlibText
     from examples.gpt.model import GPT, next_byte_loss
-    from lightning_fleet.elastic.sampler import GlobalBatchSampler
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -101,21 +99,14 @@ def torch_job(out: Path) -> None:
     model = GPT(**MODEL)
     optimizer = model.configure_optimizers()
     ddp = DistributedDataParallel(model)
-    dm = StdlibText(**DATA)
-    dm.setup("fit")
-    sampler = GlobalBatchSampler(len(dm.train_set), global_batch_size=GBS, dp_size=world, dp_rank=rank, shuffle=True, seed=0)
-    times = []
-    for step, indices in enumerate(sampler):
-        if step > STEPS:
-            break
-        times.append(time.perf_counter())
-        xs, ys = zip(*(dm.train_set[i] for i in indices))
-        loss = next_byte_loss(ddp(torch.stack(xs)), torch.stack(ys))
+
+    def step(xs, ys):
+        loss = next_byte_loss(ddp(xs), ys)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    if rank == 0:
-        out.write_text(json.dumps({"step_s": [b - a for a, b in zip(times, times[1:])][WARMUP:]}))
+
+    _timed_loop(step, out, rank, world)
 
 
 def deepspeed_job(out: Path) -> None:
@@ -124,16 +115,12 @@ def deepspeed_job(out: Path) -> None:
     import torch
     import torch.distributed as dist
 
-    from examples.gpt.data import StdlibText
     from examples.gpt.model import GPT, next_byte_loss
-    from lightning_fleet.elastic.sampler import GlobalBatchSampler
 
     deepspeed.init_distributed("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = GPT(**MODEL)
-    dm = StdlibText(**DATA)
-    dm.setup("fit")
     config = {  # dp=2, ZeRO-2, micro-batch 16, no accumulation: what PLAN means, by hand
         "train_micro_batch_size_per_gpu": 16,
         "gradient_accumulation_steps": 1,
@@ -142,19 +129,35 @@ def deepspeed_job(out: Path) -> None:
         "steps_per_print": 2**31 - 1,
     }
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=model.configure_optimizers(), config=config, args=None)
+
+    def step(xs, ys):
+        loss = next_byte_loss(engine(xs), ys)  # forward through the engine, as DeepSpeed users write it
+        engine.backward(loss)
+        engine.step()
+
+    _timed_loop(step, out, rank, world)
+
+
+def _timed_loop(step, out: Path, rank: int, world: int) -> None:
+    """A plain loop over this rank's share of each global batch (the order FleetStrategy reads), ``step(xs, ys)`` per
+    optimizer step, each step timed; rank 0 writes the times after the warm-up."""
+    import torch
+
+    from examples.gpt.data import StdlibText
+    from lightning_fleet.elastic.sampler import GlobalBatchSampler
+
+    dm = StdlibText(**DATA)
+    dm.setup("fit")
     sampler = GlobalBatchSampler(len(dm.train_set), global_batch_size=GBS, dp_size=world, dp_rank=rank, shuffle=True, seed=0)
     times = []
-    for step, indices in enumerate(sampler):
-        if step > STEPS:
+    for index, indices in enumerate(sampler):
+        if index > STEPS:
             break
         times.append(time.perf_counter())
         xs, ys = zip(*(dm.train_set[i] for i in indices))
-        loss = next_byte_loss(engine(torch.stack(xs)), torch.stack(ys))  # forward through the engine, as DeepSpeed users write it
-        engine.backward(loss)
-        engine.step()
+        step(torch.stack(xs), torch.stack(ys))
     if rank == 0:
-        steps = [b - a for a, b in zip(times, times[1:])][WARMUP:]
-        out.write_text(json.dumps({"step_s": steps}))
+        out.write_text(json.dumps({"step_s": [b - a for a, b in zip(times, times[1:])][WARMUP:]}))
 
 
 def launch(role: str, out: Path) -> dict:
