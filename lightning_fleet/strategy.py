@@ -67,14 +67,15 @@ from lightning_fleet.elastic.worker import (  # noqa: E402
 )
 from lightning_fleet.export import lightning_checkpoint  # noqa: E402
 from lightning_fleet.hooks import find_layers, module_hooks, tensor_parallel_hook  # noqa: E402
-from lightning_fleet.planning import ClusterSpec, Estimate, FleetError, ModelSpec, Plan, Precision, load_cluster  # noqa: E402
+from lightning_fleet.planning import ClusterSpec, Estimate, FleetError, ModelSpec, Plan, PlanError, Precision, load_cluster  # noqa: E402
 from lightning_fleet.planning.cluster import GIB  # noqa: E402
-from lightning_fleet.planning.plan import share_weight  # noqa: E402
+from lightning_fleet.planning.plan import parse_partial_plan, share_weight  # noqa: E402
 from lightning_fleet.calibrate.ranks import rebalance_by  # noqa: E402
 from lightning_fleet.profiling import Profile, profile  # noqa: E402
 from lightning_fleet.progress import FleetProgress  # noqa: E402
 from lightning_fleet.rng import RngState  # noqa: E402
-from lightning_fleet.runtime import AUTO, RUNTIMES, Runtime, runtime_named  # noqa: E402
+from lightning_fleet.runtime import AUTO, RUNTIME_NAMES, RUNTIMES, Runtime, runtime_named  # noqa: E402
+from lightning_fleet.runtime.base import ENGINE_CHECK  # noqa: E402
 from lightning_fleet.strategy_names import PRESETS  # noqa: E402
 
 
@@ -163,7 +164,7 @@ class FleetStrategy(DDPStrategy):
         process_group_backend: str | None = None,
     ) -> None:
         install_error_hook()  # an uncaught FleetError is one line per job (and, when deterministic, no restart loop)
-        self._take_face(runtime)
+        self._take_face(_fixed_runtime(plan) if runtime == AUTO else runtime)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -596,6 +597,15 @@ class FleetStrategy(DDPStrategy):
         """The runtime's engine of the last fit (it still saves checkpoints after the module was handed back for
         evaluation)."""
         return self._fit.engine if self._fit.engine is not None else self.model
+
+    @property
+    def gradient_check(self) -> str:
+        """How NonFiniteGuard checks a step's gradient while the engine trains (``Backend.gradient_check`` of the plan;
+        under a pipeline, or outside fit, the engine's own way)."""
+        plan = self.plan
+        if not self._engine_in_use() or plan is None or plan.pp > 1:
+            return ENGINE_CHECK
+        return self.backend.gradient_check(plan)
 
     def _engine_in_use(self) -> bool:
         return self._fit.engine is not None and self.model is self._fit.engine
@@ -1058,6 +1068,16 @@ def _face_runtime(cls: type) -> Runtime:
 
 _FACED: dict[tuple[type, str], type] = {}
 """(a user's FleetStrategy subclass, a runtime) -> that subclass on the runtime's face, made once."""
+
+
+def _fixed_runtime(plan: Any) -> str:
+    """The runtime a fixed plan names (``runtime=torch``), else "auto"; a plan that does not parse is left to setup's
+    one-line refusal."""
+    try:
+        fixed = parse_partial_plan(plan).runtime if isinstance(plan, str) else getattr(plan, "runtime", None)
+    except PlanError:
+        return AUTO
+    return fixed if fixed in RUNTIME_NAMES else AUTO
 
 
 def _with_face(cls: type, runtime: Runtime) -> type:

@@ -45,14 +45,17 @@ from lightning_fleet.elastic.layout import (
     LOCK,
     MANIFEST,
     SET_ASIDE,
+    DCP_DIR,
     UNIVERSAL,
     Manifest,
     derived_listed,
+    state_dir,
     step_dir_name,
     verify,
 )
 from lightning_fleet.elastic.lock import DirLock, LockHolder, job_rendezvous, machine_id
 from lightning_fleet.elastic.worker import is_deterministic
+from lightning_fleet.export import export_state_dict
 from lightning_fleet.planning import FleetError
 from tests.multiprocess import ROOT, finish, free_port, kill_family, run, worker_env
 
@@ -394,23 +397,37 @@ def test_a_nan_loss_on_one_rank_stops_the_zero0_job_in_one_line_and_keeps_the_fi
 
 
 @pytest.mark.multiprocess
-def test_skip_leaves_the_zero0_step_unapplied_on_every_rank(tmp_path):
-    """non_finite='skip': the NaN step (on rank 0 only) changes neither weights nor optimizer state; reported."""
+@pytest.mark.parametrize("runtime", ["deepspeed", "torch"])
+def test_skip_leaves_the_zero0_step_unapplied_on_every_rank(tmp_path, runtime):
+    """non_finite='skip': the NaN step (on rank 0 only) changes neither weights nor optimizer state; reported. On the
+    torch runtime no collective checks a healthy step: rank 0's NaN reaches rank 1 through DDP's gradient all-reduce."""
     done = run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
                 f"--master-port={free_port()}", str(WORKER), "--dir", str(tmp_path), "--nan-at", "5", "--nan-ranks", "0",
-                "--plan", "dp=2,zero=0,runtime=deepspeed", "--non-finite", "skip", "--every", "1", "--keep", "9"], worker_env(tmp_path), 150)
+                "--plan", f"dp=2,zero=0,runtime={runtime}", "--non-finite", "skip", "--every", "1", "--keep", "9"],
+               worker_env(tmp_path), 150)
     assert done.returncode == 0, done.stdout[-3000:]
     assert "lightning_fleet: step 5: the loss is NaN on rank 0; the step was skipped" in done.stdout
     assert "1 step(s) skipped for a non-finite loss or gradient (non_finite='skip'): 5" in done.stdout
-    states = {step: torch.load(next((tmp_path / "ckpt" / step_dir_name(step) / "state" / "checkpoint").glob("*model_states.pt")),
-                               weights_only=False) for step in (4, 5, 6)}
-    for name, tensor in states[4]["module"].items():
-        assert torch.equal(tensor, states[5]["module"][name]) and not torch.equal(tensor, states[6]["module"][name])
-    before, after = states[4]["optimizer"]["state"], states[5]["optimizer"]["state"]
-    assert all(torch.equal(before[i][key], after[i][key]) for i in before for key in ("step", "exp_avg", "exp_avg_sq"))
+    weights = {step: export_state_dict(tmp_path / "ckpt" / step_dir_name(step)) for step in (4, 5, 6)}
+    for name, tensor in weights[4].items():
+        assert torch.equal(tensor, weights[5][name]) and not torch.equal(tensor, weights[6][name])
+    before, after = (_optimizer_state(tmp_path / "ckpt" / step_dir_name(step), runtime) for step in (4, 5))
+    assert sorted(before) == sorted(after) and len(before) >= 3
+    assert all(torch.equal(before[key], after[key]) for key in before)
     result = torch.load(tmp_path / "final.pt", weights_only=False)
     assert result["global_step"] == 8 and result["skipped"] == [5]
     assert all(bool(torch.isfinite(t).all()) for t in result["state"].values())
+
+
+def _optimizer_state(step: Path, runtime: str) -> dict[str, torch.Tensor]:
+    """The optimizer's state tensors (Adam's step, exp_avg, exp_avg_sq) of a checkpoint step, flat by name."""
+    if runtime == "deepspeed":
+        state = torch.load(next((state_dir(step) / "checkpoint").glob("*model_states.pt")), weights_only=False)["optimizer"]["state"]
+        return {f"{i}.{key}": state[i][key] for i in state for key in ("step", "exp_avg", "exp_avg_sq")}
+    from lightning_fleet.runtime.torch.dcp import read_full
+
+    state = read_full(state_dir(step) / DCP_DIR)["optimizer"]["state"]
+    return {f"{name}.{key}": value for name, entry in state.items() for key, value in entry.items() if isinstance(value, torch.Tensor)}
 
 
 def _fit_in_process(tmp_path, *, steps: int, callbacks=(), keep: int = 1, plan: str = "dp=1,zero=0,runtime=deepspeed", **strategy):
@@ -520,8 +537,6 @@ def test_a_nan_gradient_with_a_finite_loss_stops_the_job_in_one_line(tmp_path, z
 def test_skip_drops_a_nan_gradient_at_zero0(tmp_path, runtime):
     """non_finite='skip' with a finite loss and a NaN gradient at ZeRO-0 (the torch optimizer stepped directly), on
     either runtime: the step changes nothing. Before: applied, the weights became NaN."""
-    from lightning_fleet.export import export_state_dict
-
     trainer, module, data = _fit_in_process(tmp_path, steps=5, keep=9, non_finite="skip", plan=f"dp=1,zero=0,runtime={runtime}")
     module.gradient_nan_at = 3
     trainer.fit(module, data)
@@ -991,3 +1006,39 @@ def test_a_checkpoint_dir_replaced_between_saves_gets_nothing_written_into_it(tm
     assert "intact" not in message
     assert {p.name for p in ckpt.iterdir()} <= {LOCK, GUARD}  # nothing written into it
     assert [p.name for p in committed(tmp_path / "moved")] == ["step-000000002", "step-000000001"]
+
+
+@pytest.mark.pure
+@pytest.mark.parametrize(("check", "healthy", "poisoned"), [("replicated", 0, 1), ("sharded", 1, 2), ("engine", 1, 1)])
+def test_the_guard_runs_no_collective_on_a_healthy_step_where_every_rank_holds_the_reduced_gradient(monkeypatch, check, healthy, poisoned):
+    """The non-finite check's all-reduces per step, as a 2-rank job sees them (the collective counted, not run):
+    replicated gradients (DDP) none on a healthy step, sharded ones (FSDP) one, DeepSpeed's path one before backward.
+    A NaN loss turns the gradient NaN through the loss hook (what the reduction carries to the other ranks), and the
+    step is skipped with its gradients dropped. Before: two all-reduces every step on every runtime."""
+    from types import SimpleNamespace
+
+    import lightning_fleet.elastic.callback as callback
+
+    calls = []
+    monkeypatch.setattr(callback.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(callback.dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(callback.dist, "all_reduce", lambda tensor, op=None: calls.append(tensor.clone()))
+    module = torch.nn.Linear(3, 2)
+    strategy = SimpleNamespace(gradient_check=check, root_device=torch.device("cpu"), engine=module)
+    trainer = SimpleNamespace(strategy=strategy, world_size=2, global_rank=0, global_step=4, callbacks=[],
+                              is_global_zero=True, lightning_module=module)
+    guard = callback.NonFiniteGuard("skip")
+    for value, expected in ((1.0, healthy), (float("nan"), poisoned)):
+        calls.clear()
+        module.zero_grad()
+        guard.on_train_batch_start(trainer, module, None, 0)
+        loss = module(torch.ones(1, 3)).sum() * value
+        guard.on_before_backward(trainer, module, loss)
+        loss.backward()
+        if check != "engine":
+            assert all(bool(torch.isfinite(p.grad).all()) == (value == 1.0) for p in module.parameters())
+        guard.on_before_optimizer_step(trainer, module, None)
+        assert len(calls) == expected, (check, value, calls)
+        assert (guard._pending is None) == (value == 1.0)
+        if value != 1.0:
+            assert guard._pending == "the loss is NaN on rank 0" and all(p.grad is None for p in module.parameters())

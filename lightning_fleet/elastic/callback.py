@@ -26,7 +26,7 @@ import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -55,6 +55,7 @@ from lightning_fleet.elastic.lock import DirLock
 from lightning_fleet.elastic.worker import collectives, deterministic, note_stop_signal
 from lightning_fleet.planning import FleetError
 from lightning_fleet.rng import RngState
+from lightning_fleet.runtime.base import ENGINE_CHECK, SHARDED_CHECK
 
 CHECKPOINT_BYTES_PER_PARAMETER = 16
 """Free space a first checkpoint needs per parameter of the module, where the directory holds none to measure:
@@ -438,6 +439,13 @@ class NonFiniteGuard(Callback):
     Where the step runs inside the engine (a pipeline schedule) or the user steps (manual optimization), the loss is
     checked after the step: ``skip`` then holds only where DeepSpeed skipped it itself, else the job stops.
 
+    Where the gradients end up in ``param.grad`` (``FleetStrategy.gradient_check``: the torch runtime), the loss is not
+    agreed before backward: a rank whose loss is not finite makes its gradient NaN (a hook on the loss, on the device),
+    which the runtime's reduction carries to the others, and one fused check of the gradients before the optimizer step
+    gives the verdict: local where every rank holds the same whole gradient (DDP, no collective on a healthy step), agreed
+    by one small all-reduce where each holds its shard (FSDP). Only on a non-finite gradient do the ranks agree (one
+    more all-reduce) on whose loss it was.
+
     A finite loss whose gradient is NaN or infinite (a backward through ``sqrt(0)``, a custom autograd function) is
     caught too: where the torch optimizer is stepped directly, the gradients (averaged alike on every rank) are checked
     before the step; where DeepSpeed's wrapper checks them (ZeRO 1-3, bf16), a step it did not apply with a finite loss
@@ -458,6 +466,8 @@ class NonFiniteGuard(Callback):
         """The steps skipped in this fit (``skip``)."""
         self._pending: str | None = None  # the step being skipped: what was non-finite where, in words
         self._checked = False  # the step's loss was checked before its backward
+        self._loss: torch.Tensor | None = None  # the step's loss, checked with its gradient (FleetStrategy.gradient_check)
+        self._agree = False  # that check is agreed by an all-reduce (each rank holds a shard of the gradient)
         self._held = False  # the step was not applied: its per-step LR schedule step is held back
         self._loop: Any = None  # the epoch loop whose update_lr_schedulers is wrapped, while training
 
@@ -481,13 +491,18 @@ class NonFiniteGuard(Callback):
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         """A new step: nothing checked yet."""
-        self._pending, self._checked, self._held = None, False, False
+        self._pending, self._checked, self._held, self._loss, self._agree = None, False, False, None, False
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
         """The step's loss (its micro-batches' mean) before its last backward: agreed by every rank; stop or skip."""
         if not getattr(pl_module, "automatic_optimization", True) or self._checked:
             return
         self._checked = True
+        check = getattr(trainer.strategy, "gradient_check", ENGINE_CHECK)
+        if check != ENGINE_CHECK:  # checked with the gradient before the optimizer step, no collective here
+            self._loss, self._agree = loss.detach(), check == SHARDED_CHECK
+            loss.register_hook(_poisoned_unless_finite(self._loss))
+            return
         bad = _non_finite_ranks(trainer, loss)
         if not bad:
             return
@@ -504,9 +519,14 @@ class NonFiniteGuard(Callback):
         if hasattr(getattr(engine, "optimizer", None), "overflow"):
             return
         if self._pending is None and self._checked:
-            bad = _non_finite_gradient(_module_of(engine))
-            if bad:
+            module = _module_of(engine)
+            bad = _non_finite_gradient(module, agree=self._agree)
+            if bad and self._loss is not None:  # every rank has the same verdict: all are here together
+                lost = _non_finite_ranks(trainer, self._loss)
+                what = f"the loss is {lost}" if lost else f"the gradient is {bad} (the loss is finite on every rank)"
+            elif bad:
                 what = f"the gradient is {bad} (the loss is finite on every rank)"
+            if bad:
                 if self.policy == "stop":
                     raise self._stop(trainer, trainer.global_step + 1, what, "it was not applied")
                 self._pending = what
@@ -601,18 +621,58 @@ def _step_applied(engine: Any) -> bool:
     return bool(applied()) if callable(applied) else True
 
 
-def _non_finite_gradient(module: torch.nn.Module) -> str:
-    """'' when every gradient of ``module`` is finite, else ``NaN`` or ``infinite`` (one read per device)."""
-    checks: dict[torch.device, list[torch.Tensor]] = {}
-    with torch.no_grad():
-        for parameter in module.parameters():
-            grad = parameter.grad
-            if grad is not None and grad.is_floating_point() and grad.numel():
-                dense = grad.coalesce().values() if grad.is_sparse else grad
-                checks.setdefault(grad.device, []).append(torch.where(torch.isnan(dense).any(), 2.0, torch.where(
-                    torch.isfinite(dense).all(), 0.0, 1.0)))
-        worst = max((float(torch.stack(found).max()) for found in checks.values()), default=0.0)
+def _non_finite_gradient(module: torch.nn.Module, *, agree: bool = False) -> str:
+    """'' when every gradient of ``module`` (this rank's part of a sharded one) is finite, else ``NaN`` or ``infinite``:
+    one fused check per device, the kind looked at only when it fails; ``agree``: the worst over every rank (one
+    all-reduce, every rank calls it)."""
+    grads = _local_gradients(module)
+    worst = 0.0 if _gradients_finite(grads) else _worst(grads)
+    if agree and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        flag = torch.tensor([worst], device=next(iter(grads), torch.device("cpu")))
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        worst = float(flag)
     return {0.0: "", 1.0: "infinite"}.get(worst, "NaN")
+
+
+def _local_gradients(module: torch.nn.Module) -> dict[torch.device, list[torch.Tensor]]:
+    """The floating gradients of ``module`` by device: a sparse one's values, a DTensor's local shard."""
+    found: dict[torch.device, list[torch.Tensor]] = {}
+    for parameter in module.parameters():
+        grad = parameter.grad
+        if grad is not None and grad.is_floating_point() and grad.numel():
+            grad = grad.to_local() if hasattr(grad, "to_local") else grad
+            dense = grad.coalesce().values() if grad.is_sparse else grad
+            if dense.numel():
+                found.setdefault(dense.device, []).append(dense)
+    return found
+
+
+def _gradients_finite(grads: dict[torch.device, list[torch.Tensor]]) -> bool:
+    """Whether every tensor is finite: one fused check per device (torch's GradScaler primitive, which with a scale of 1
+    leaves the tensors as they are) and one read."""
+    flags = []
+    with torch.no_grad():
+        for device, tensors in grads.items():
+            flag = torch.zeros(1, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(tensors, flag, torch.ones(1, device=device))
+            flags.append(flag)
+    return not any(bool(flag) for flag in flags)
+
+
+def _worst(grads: dict[torch.device, list[torch.Tensor]]) -> float:
+    """2.0 when a tensor holds a NaN, else 1.0 when one is infinite, else 0.0 (one read per device)."""
+    with torch.no_grad():
+        return max((float(torch.stack([torch.where(torch.isnan(t).any(), 2.0, torch.where(torch.isfinite(t).all(), 0.0, 1.0))
+                                       for t in tensors]).max()) for tensors in grads.values()), default=0.0)
+
+
+def _poisoned_unless_finite(loss: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A loss hook: its gradient unchanged while ``loss`` is finite, else NaN (on the device, no host read)."""
+
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        return torch.where(torch.isfinite(loss).all(), grad, torch.full_like(grad, float("nan")))
+
+    return hook
 
 
 def _gradient_overflowed(engine: Any) -> bool:
@@ -665,6 +725,7 @@ def _weights_finite(trainer: Any) -> bool:
     checks: dict[torch.device, list[torch.Tensor]] = {}
     with torch.no_grad():
         for tensor in _weights_tensors(trainer):
+            tensor = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor: this rank's shard
             if tensor.is_floating_point() and tensor.numel():
                 checks.setdefault(tensor.device, []).append(torch.isfinite(tensor).all())
         return all(bool(torch.stack(found).all()) for found in checks.values())  # one read per device

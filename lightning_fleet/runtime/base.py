@@ -32,6 +32,12 @@ ANY_ZERO_STAGES = (0, 1, 2, 3)
 """Every shard level a plan can name (Plan.zero)."""
 
 
+REPLICATED_CHECK, SHARDED_CHECK, ENGINE_CHECK = "replicated", "sharded", "engine"
+"""How a runtime's gradient is checked for non-finite values (``Backend.gradient_check``): in ``param.grad``, the same
+whole on every rank (a local check), in ``param.grad``, a shard on each rank (a local check agreed by one all-reduce),
+or in the engine's own buffers (the loss is agreed before backward; the engine's overflow check skips)."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TensorParallelSpec:
     """Which Linear weights tensor parallelism splits: regexes over parameter names (the ``fleet_tensor_parallel()``
@@ -409,6 +415,12 @@ class Backend(Protocol):
     zeroes_gradients: bool
     """Its engine zeroes the gradients after each optimizer step itself (False: the strategy calls the module's own
     ``optimizer_zero_grad`` before a step's first micro-batch)."""
+
+    def gradient_check(self, plan: Plan) -> str:
+        """Where a step's reduced gradient is, for the non-finite check (lightning_fleet.elastic.callback):
+        ``replicated`` (whole in ``param.grad`` on every rank), ``sharded`` (a shard in ``param.grad`` on each rank) or
+        ``engine`` (in the engine's own buffers)."""
+        ...
 
     def config(self, plan: Plan, *, gradient_clipping: float, device_type: str, tensor_parallel: TensorParallelSpec | None,
                universal: bool) -> dict[str, Any]:

@@ -20,7 +20,7 @@ import torch
 from lightning_fleet.elastic.checkpoint import VerifiedCheckpoint
 from lightning_fleet.elastic.layout import TAG, state_dir, universal_dir
 from lightning_fleet.planning import FleetError, Plan, Precision, Recompute, parse_plan
-from lightning_fleet.runtime.base import Capabilities, TensorParallelSpec
+from lightning_fleet.runtime.base import ENGINE_CHECK, Capabilities, TensorParallelSpec
 from lightning_fleet.runtime.common import checkpointed_forward, engine_zeroes_gradients
 from lightning_fleet.runtime.deepspeed.capabilities import DEEPSPEED
 from lightning_fleet.runtime.deepspeed.checked_engine import checked_loads
@@ -132,6 +132,11 @@ class DeepSpeedBackend:
     """The engine scales each micro-batch's loss by 1/gas itself (its ``gradient_accumulation_steps``)."""
     zeroes_gradients: bool = True
     """The engine zeroes gradients after each optimizer step."""
+
+    def gradient_check(self, plan: Plan) -> str:
+        """``engine``: DeepSpeed keeps the reduced gradient in its own (ZeRO: partitioned) buffers, and its optimizer
+        wrappers skip a step whose gradient overflowed."""
+        return ENGINE_CHECK
 
     def no_sync(self, engine: Any) -> ContextManager[Any]:
         """A micro-batch that is not its step's last: DeepSpeed defers the reduction itself (gradient accumulation)."""

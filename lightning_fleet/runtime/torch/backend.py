@@ -26,7 +26,7 @@ from lightning_fleet.elastic.layout import DCP_DIR, EXPORT_LAYOUT, state_dir
 from lightning_fleet.elastic.safe_load import load_file
 from lightning_fleet.planning import FleetError, Plan, Precision
 from lightning_fleet.runtime import runtime_named
-from lightning_fleet.runtime.base import Capabilities, TensorParallelSpec
+from lightning_fleet.runtime.base import REPLICATED_CHECK, SHARDED_CHECK, Capabilities, TensorParallelSpec
 from lightning_fleet.runtime.common import checkpointed_forward, engine_zeroes_gradients, save_atomic
 from lightning_fleet.runtime.torch.capabilities import TORCH
 
@@ -45,6 +45,11 @@ class TorchBackend:
     """Autograd sums the micro-batches' gradients: the strategy weights each loss by 1/gas."""
     zeroes_gradients: bool = False
     """The engine does not zero gradients itself: the step's first micro-batch starts from the user's zero_grad."""
+
+    def gradient_check(self, plan: Plan) -> str:
+        """In ``param.grad``: whole on every rank at shard level 0 (DDP's all-reduce), this rank's shard above (FSDP's
+        reduce-scatter)."""
+        return REPLICATED_CHECK if plan.zero == 0 else SHARDED_CHECK
 
     def __init__(self) -> None:
         self._optimizers: list[Any] = []  # the optimizers of the engine being trained (saved and loaded with it)
