@@ -517,7 +517,7 @@ class FleetStrategy(DDPStrategy):
         self._fit.module_record = self.backend.record(model)  # before the runtime changes it
         for obj, name in self.backend.process_globals():
             self._patch(obj, name, getattr(obj, name))
-        layers = find_layers(model) if self.plan.pp > 1 else None
+        stack = find_layers(model)
         engine, optimizer = self.backend.build(
             model,
             optimizer,
@@ -525,7 +525,7 @@ class FleetStrategy(DDPStrategy):
             plan=self.plan,
             config=self._fit.runtime_config,
             device_rank=self.local_rank if self.root_device.index is None else self.root_device.index,
-            layer_type=type(layers[0]).__name__ if layers else None,
+            layers=list(stack) if stack is not None else None,
         )
         self._fit.engine = engine
         return engine, optimizer

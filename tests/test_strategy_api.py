@@ -290,6 +290,44 @@ def test_the_module_is_handed_back_plain_unless_asked_not_to():
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("zero", [2, 3])
+def test_fsdp_on_the_torch_runtime_hands_back_the_plain_module_and_an_optimizer_over_it(tmp_path, zero):
+    """FSDP2 changes the module in place (its class and its layers', hooks, DTensor parameters); at the end of fit all
+    of it is undone: the user's classes, plain parameters holding the trained weights, no hook left, deepcopy works
+    (FSDP refuses it), Lightning's optimizer holds the module's own parameters and whole state, a later save works and
+    plain torch trains on."""
+    import copy
+
+    from torch.distributed.tensor import DTensor
+
+    module = GPT(num_layers=2, hidden_size=32, num_heads=4, seq_length=32)
+    classes = {name: type(m) for name, m in module.named_modules()}
+    before = {name: p.detach().clone() for name, p in module.named_parameters()}
+    trainer = fit(lightning_fleet.FleetStrategy(plan=f"zero={zero},runtime=torch", global_batch_size=4), module)
+    assert trainer.strategy.plan.zero == zero and trainer.strategy.decision.runtime == "torch"
+    assert {name: type(m) for name, m in module.named_modules()} == classes
+    assert all(type(p) is torch.nn.Parameter and not isinstance(p, DTensor) for p in module.parameters())
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in module.modules())
+    assert not any(k.startswith("_fsdp") or k == "_is_fsdp_managed_module" for m in module.modules() for k in vars(m))
+    assert any(not torch.equal(before[name], p) for name, p in module.named_parameters())
+    optimizer = trainer.optimizers[0]
+    held = [p for group in optimizer.param_groups for p in group["params"]]
+    assert {id(p) for p in held} == {id(p) for p in module.parameters()}
+    assert all(not isinstance(t, DTensor) for state in optimizer.state.values() for t in state.values())
+    assert all(state["exp_avg"].shape == p.shape for p, state in optimizer.state.items())
+    trainer.save_checkpoint(tmp_path / "after-fit")
+    assert (tmp_path / "after-fit").is_dir()
+    twin = copy.deepcopy(module)
+    data = StdlibText(seq_length=32, batch_size=4, limit_bytes=20_000)
+    data.setup("fit")
+    batch = next(iter(data.train_dataloader()))
+    loss = twin.training_step(batch, 0)
+    loss = loss["loss"] if isinstance(loss, dict) else loss
+    loss.backward()
+    assert all(p.grad is not None and bool(torch.isfinite(p.grad).all()) for p in twin.parameters())
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize("after_fit", [True, False])
 def test_bf16_true_evaluates(after_fit):
     """validate() in bf16-true on float inputs, after a fit and on a fresh fp32 module (converted as Lightning's plugin does)."""

@@ -1,8 +1,8 @@
 """Tier 3: real multi-process training on gloo with real DeepSpeed and real torch DDP, held against a single-process
 reference.
 
-Every plan kind each runtime executes (torch: DistributedDataParallel with accumulation and full recomputation;
-DeepSpeed: ZeRO 0-3, optimizer and parameter offload, full recomputation, tensor parallel via AutoTP, pipeline parallel
+Every plan kind each runtime executes (torch: DistributedDataParallel with accumulation and full recomputation, FSDP2
+at shard levels 2 and 3; DeepSpeed: ZeRO 0-3, optimizer and parameter offload, full recomputation, tensor parallel via AutoTP, pipeline parallel
 via DeepSpeed's PipelineModule) trains the example GPT for 6 steps on 2 processes; the
 eval loss and the weights after those steps must match one plain PyTorch process that takes the
 whole global batch per step (tolerance 2e-5 absolute on weights, 1e-5 relative on loss: only the
@@ -26,8 +26,10 @@ PLANS = [
     "dp=2,zero=0,mbs=2,recompute=full,runtime=torch",
     "dp=2,zero=0,runtime=deepspeed",
     "dp=2,zero=1,mbs=2",
-    "dp=2,zero=2,mbs=4",
-    "dp=2,zero=3",
+    "dp=2,zero=2,mbs=4,runtime=deepspeed",
+    "dp=2,zero=2,mbs=4,runtime=torch",
+    "dp=2,zero=3,runtime=deepspeed",
+    "dp=2,zero=3,mbs=2,recompute=full,runtime=torch",
     "dp=2,zero=2,offload=optimizer",
     "dp=2,zero=3,offload=optimizer+params",
     "dp=2,zero=1,recompute=full",

@@ -19,7 +19,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Protocol, Sequence
 
 from lightning_fleet.planning import Constraints, FleetError, Offload, Overlaps, PartialPlan, Plan, Recompute
 from lightning_fleet.planning.plan import DEFAULT_ORDER, field_text
@@ -445,9 +445,10 @@ class Backend(Protocol):
         ...
 
     def build(self, module: Any, optimizer: Any, scheduler: Any, *, plan: Plan, config: dict[str, Any], device_rank: int,
-              layer_type: str | None) -> tuple[Any, Any]:
+              layers: Sequence[Any] | None) -> tuple[Any, Any]:
         """(engine, optimizer) executing ``plan`` over ``module`` on the live process group (``optimizer`` None: the
-        face builds the optimizers after the engine and hands each to :meth:`optimizer`)."""
+        face builds the optimizers after the engine and hands each to :meth:`optimizer`); ``layers``: the module's layer
+        stack (lightning_fleet.hooks.find_layers), None when it has none."""
         ...
 
     def no_sync(self, engine: Any) -> ContextManager[Any]:

@@ -13,7 +13,7 @@ import argparse
 import math
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Iterable
+from typing import Any, Callable, ContextManager, Iterable, Sequence
 
 import torch
 
@@ -101,15 +101,15 @@ class DeepSpeedBackend:
         plan: Plan,
         config: dict[str, Any],
         device_rank: int,
-        layer_type: str | None,
+        layers: Sequence[torch.nn.Module] | None,
     ) -> tuple[Any, Any]:
-        """(engine, its optimizer): the pipeline module built first when ``plan.pp > 1`` (over the layer stack of type
-        ``layer_type``), then ``deepspeed.initialize`` on the live process group."""
+        """(engine, its optimizer): the pipeline module built first when ``plan.pp > 1`` (over the layer stack, by its
+        layers' class), then ``deepspeed.initialize`` on the live process group."""
         import deepspeed
 
         if plan.pp > 1:
-            assert layer_type is not None, "a pipeline plan needs the layer stack (the capabilities say so)"
-            module = build_pipeline(module, plan, layer_type=layer_type)
+            assert layers, "a pipeline plan needs the layer stack (the capabilities say so)"
+            module = build_pipeline(module, plan, layer_type=type(layers[0]).__name__)
             optimizer = local_optimizer(optimizer, module) if optimizer is not None else None
         engine, ds_optimizer, _, _ = deepspeed.initialize(
             args=argparse.Namespace(device_rank=device_rank),

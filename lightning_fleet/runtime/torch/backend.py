@@ -1,7 +1,8 @@
 """TorchBackend: a Decision applied with torch's own stack -- engine, micro-steps, save, load, hand-back.
 
 Shard level 0 is :class:`torch.nn.parallel.DistributedDataParallel` over the user's module (the module itself is never
-changed: DDP wraps it, and the end of fit unwraps it). Checkpoints go through torch.distributed.checkpoint
+changed: DDP wraps it, and the end of fit unwraps it); shard levels 2 and 3 are FSDP2 over its layers and itself
+(:mod:`lightning_fleet.runtime.torch.fsdp`: in place, undone at the end of fit). Checkpoints go through torch.distributed.checkpoint
 (:mod:`lightning_fleet.runtime.torch.dcp`: every file read back by the restricted unpickler, checked against the
 manifest), with Lightning's client state (loops, callbacks, hyper-parameters) in one file rank 0 writes beside them and
 the layout file ``fleet export`` reads (:func:`read`).
@@ -15,7 +16,7 @@ from __future__ import annotations
 import json
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Iterable, Mapping
+from typing import Any, Callable, ContextManager, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -37,7 +38,7 @@ _SKIPPED = ("state_dict", "optimizer_states")
 
 
 class TorchBackend:
-    """Applies a plan with torch's DistributedDataParallel; checkpoints through torch.distributed.checkpoint."""
+    """Applies a plan with torch's DistributedDataParallel or FSDP2; checkpoints through torch.distributed.checkpoint."""
 
     capabilities: Capabilities = TORCH
     """What torch executes here (the planner and the CLI read the same value)."""
@@ -89,12 +90,19 @@ class TorchBackend:
         return patches
 
     def build(self, module: nn.Module, optimizer: Any, scheduler: Any, *, plan: Plan, config: dict[str, Any], device_rank: int,
-              layer_type: str | None) -> tuple[Any, Any]:
-        """(DistributedDataParallel over ``module``, ``optimizer``) on the live default process group."""
+              layers: Sequence[nn.Module] | None) -> tuple[Any, Any]:
+        """(engine, ``optimizer``) on the live default process group: DistributedDataParallel over ``module`` at shard
+        level 0, FSDP2 over its layers and itself at 2-3 (:mod:`lightning_fleet.runtime.torch.fsdp`)."""
+        self._optimizers = []  # this fit's (optimizer() adds them)
+        zero = int(config["zero"])
+        if zero not in TORCH.zero_stages:
+            raise FleetError(f"plan {plan}: the torch runtime runs zero {', '.join(map(str, TORCH.zero_stages))}; use runtime='deepspeed' for zero={zero}")
+        if zero >= 2:
+            from lightning_fleet.runtime.torch.fsdp import shard
+
+            return shard(module, layers, zero=zero), optimizer
         from torch.nn.parallel import DistributedDataParallel
 
-        if int(config["zero"]) != 0:
-            raise FleetError(f"plan {plan}: the torch runtime runs zero=0 only; use runtime='deepspeed' for zero={config['zero']}")
         device_ids = [device_rank] if next(module.parameters(), torch.empty(0)).device.type == "cuda" else None
         return DistributedDataParallel(module, device_ids=device_ids), optimizer
 
@@ -159,14 +167,27 @@ class TorchBackend:
         return module
 
     def hand_back_bytes(self, record: nn.Module) -> int:
-        """Nothing to gather: the module already holds the whole trained weights on every rank."""
-        return 0
+        """Under DDP nothing to gather (the module holds the whole trained weights on every rank); under FSDP every
+        parameter and optimizer state tensor whole, at its dtype (their DTensors' global shapes)."""
+        if not self._optimizers or not any(_is_dtensor(p) for p in record.parameters()):
+            return 0
+        tensors = {id(p): p for p in record.parameters()}
+        for optimizer in self._optimizers:
+            tensors.update((id(t), t) for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor))
+        return sum(t.element_size() * t.numel() for t in tensors.values())
 
     def hand_back(self, strategy: Any, record: nn.Module) -> None:
-        """End of fit: the strategy holds the plain module again (its weights are the trained ones on every rank), and
-        the DDP wrapper is let go while the process group lives: a wrapper alive at interpreter exit keeps its reducer's
-        gloo group until the teardown, whose destruction there aborts the process ("terminate called without an active
-        exception", seen on rank 1 after a finished fit; pytorch/pytorch#65231). Later saves need only the module."""
+        """End of fit (collective under FSDP): the strategy holds the plain module again, with the trained weights
+        whole on every rank (FSDP: gathered, its hooks and classes removed, the optimizers over the plain parameters,
+        :func:`lightning_fleet.runtime.torch.fsdp.release`), and the engine is let go while the process group lives: a
+        DDP wrapper alive at interpreter exit keeps its reducer's gloo group until the teardown, whose destruction there
+        aborts the process ("terminate called without an active exception", seen on rank 1 after a finished fit;
+        pytorch/pytorch#65231). Later saves need only the module and its optimizers."""
+        from lightning_fleet.runtime.torch.fsdp import ShardedEngine, release
+
+        engine = strategy._fit.engine
+        if isinstance(engine, ShardedEngine):
+            release(engine, self._optimizers)
         strategy.model = record
         strategy._fit.engine = record
 
@@ -200,6 +221,12 @@ def read(directory: Path, layout: Mapping[str, Any]) -> tuple[dict[str, torch.Te
 def _inner(engine: Any) -> nn.Module:
     """The module an engine trains (DDP's ``module``)."""
     return getattr(engine, "module", engine)
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
 
 
 def _rank() -> int:

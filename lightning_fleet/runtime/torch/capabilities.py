@@ -14,18 +14,26 @@ TORCH_OVERLAPS = Overlaps(
     # DistributedDataParallel's reducer launches each bucket's all-reduce asynchronously from the autograd hooks as the
     # bucket's gradients become ready (torch/csrc/distributed/c10d/reducer.cpp mark_variable_ready ->
     # all_reduce_bucket), so the reduction runs behind the rest of backward; under no_sync() (the step's first gas-1
-    # micro-batches) it reduces nothing, i.e. behind the last micro-batch's backward
-    dp_grad_reduce=(0,),
-    # nothing gathers weights at shard level 0
-    dp_param_gather=(),
+    # micro-batches) it reduces nothing, i.e. behind the last micro-batch's backward. FSDP2 (shard levels 2-3)
+    # reduce-scatters each layer's gradients from its post-backward hook on a stream of its own
+    # (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py post_backward -> foreach_reduce, reduce_scatter_stream)
+    dp_grad_reduce=(0, 2, 3),
+    # FSDP2 all-gathers a layer's weights in its pre-forward (and at shard level 3 again in its pre-backward) on an
+    # all-gather stream while the layer before computes, and prefetches the next layer's in backward
+    # (_fsdp_param_group.py unshard(async_op), _fsdp_state.py _pre_forward / _fsdp_param_group.py _backward_prefetch);
+    # at shard level 2 the updated shards are gathered by the next step's forward the same way, not inside step()
+    dp_param_gather=(2, 3),
 )
-"""What torch's DistributedDataParallel runs beside compute (on CPU/gloo the calibrated ``overlap`` says how much hides)."""
+"""What torch's DistributedDataParallel and FSDP2 run beside compute (on CPU/gloo the calibrated ``overlap`` says how
+much hides)."""
 
 TORCH = Capabilities(
     name="torch",
     label="torch",
-    # shard level 0 is DistributedDataParallel (runtime/torch/backend.py)
-    zero_stages=(0,),
+    # shard level 0 is DistributedDataParallel, 2 and 3 FSDP2's fully_shard per layer and root with
+    # reshard_after_forward False/True (runtime/torch/backend.py, fsdp.py); 1 (ZeroRedundancyOptimizer) is not wired:
+    # its state_dict needs a consolidation on one rank that torch.distributed.checkpoint's get_state_dict does not do
+    zero_stages=(0, 2, 3),
     # DTensor's parallelize_module is not wired yet: tp plans run on DeepSpeed's AutoTP
     tensor_parallel=False,
     sequence_parallel=False,
@@ -39,7 +47,7 @@ TORCH = Capabilities(
     uneven_dp_with_pp=False,
     max_zero_with_pp=0,
     tp_with_pp=False,
-    # FSDP2's CPUOffloadPolicy needs shard levels 2-3, which this runtime does not run yet
+    # FSDP2's CPUOffloadPolicy (shard levels 2-3) is not wired yet: offload plans run on DeepSpeed
     offload=False,
     offload_with_pp=False,
     # one flat data-parallel group: nothing to place
@@ -51,13 +59,14 @@ TORCH = Capabilities(
     tp_needs_hook=True,
     pp_needs_hook=True,
     pp_needs_automatic_optimization=True,
-    # a DDP checkpoint holds the whole model and optimizer state (torch.distributed.checkpoint): it loads at any
-    # data-parallel size as it is
-    reshard_zero_stages=(0,),
+    # torch.distributed.checkpoint saves each tensor with its global shape (DDP: whole; FSDP2: DTensor shards) and
+    # loads it into whatever layout the loading engine has (get_state_dict / set_state_dict): any data-parallel size,
+    # any of these shard levels
+    reshard_zero_stages=(0, 2, 3),
     reshard_data_parallel_only=True,
     overlaps=TORCH_OVERLAPS,
     # DDP's reducer all-reduces sparse gradients (nn.Embedding(sparse=True)) as sparse tensors (reducer.cpp: "sparse
     # gradients" buckets of their own; gloo runs sparse all-reduce)
     sparse_grad_zero_stages=(0,),
 )
-"""torch 2.13's own stack under strategy "fleet": DistributedDataParallel at shard level 0."""
+"""torch 2.13's own stack under strategy "fleet": DistributedDataParallel at shard level 0, FSDP2 at 2 and 3."""
