@@ -6,7 +6,9 @@ Every job runs under torchrun on 2 CPU processes (gloo) and trains the example G
 the same stdlib text in the same global-batch order. DeepSpeed: FleetStrategy with a ZeRO-2 plan fixed on the DeepSpeed
 runtime against the same config written by hand in a bare DeepSpeed loop. torch: FleetStrategy with a zero=0 plan fixed
 on the torch runtime against a bare DistributedDataParallel loop and against ``Trainer(strategy="ddp")`` (the preset a
-Lightning user picks for that layout). Each times every optimizer step; the report compares the median of the steps
+Lightning user picks for that layout); torch-fsdp: FleetStrategy with a zero=2 plan fixed on the torch runtime (FSDP2)
+against FSDP2's fully_shard applied by hand in a plain loop (its fleet row, beside DeepSpeed's, is the same layout on
+either runtime). Each times every optimizer step; the report compares the median of the steps
 after a warm-up over alternating rounds, and gives FleetStrategy's start-up overhead (profiling, cluster, planning)
 separately.
 """
@@ -30,13 +32,14 @@ STEPS, WARMUP, GBS = 60, 10, 32
 PLANS = {  # every key fixed: nothing left to plan
     "deepspeed": "dp=2,tp=1,pp=1,zero=2,mbs=16,gas=1,recompute=none,sp=false,vpp=1,offload=none,runtime=deepspeed",
     "torch": "dp=2,tp=1,pp=1,zero=0,mbs=16,gas=1,recompute=none,sp=false,vpp=1,offload=none,runtime=torch",
+    "torch-fsdp": "dp=2,tp=1,pp=1,zero=2,mbs=16,gas=1,recompute=none,sp=false,vpp=1,offload=none,runtime=torch",
 }
 MODEL = dict(num_layers=4, hidden_size=128, num_heads=4, seq_length=128)
 DATA = dict(seq_length=128, batch_size=16, limit_bytes=2_000_000)
 
 
-def fleet_job(out: Path, runtime: str) -> None:
-    """Rank code: Trainer(strategy=FleetStrategy(plan=PLANS[runtime])), step times from a callback."""
+def fleet_job(out: Path, table: str) -> None:
+    """Rank code: Trainer(strategy=FleetStrategy(plan=PLANS[table])), step times from a callback."""
     import torch.distributed as dist
     from lightning.pytorch import Callback, Trainer, seed_everything
 
@@ -52,7 +55,7 @@ def fleet_job(out: Path, runtime: str) -> None:
 
     seed_everything(0)
     started = time.perf_counter()
-    strategy = lightning_fleet.FleetStrategy(plan=PLANS[runtime], global_batch_size=GBS)
+    strategy = lightning_fleet.FleetStrategy(plan=PLANS[table], global_batch_size=GBS)
     trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=STEPS + 1, logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=[StepClock()])
     trainer.fit(GPT(**MODEL), StdlibText(**DATA))
@@ -102,6 +105,33 @@ def torch_job(out: Path) -> None:
 
     def step(xs, ys):
         loss = next_byte_loss(ddp(xs), ys)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+    _timed_loop(step, out, rank, world)
+
+
+def fsdp_job(out: Path) -> None:
+    """Rank code: the torch zero=2 plan by hand: FSDP2's fully_shard on every block and the root (reshard_after_forward
+    False: ZeRO-2), the optimizer over the shards, a plain loop."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from examples.gpt.model import GPT, next_byte_loss
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = GPT(**MODEL)
+    for block in model.blocks:
+        fully_shard(block, reshard_after_forward=False)
+    fully_shard(model, reshard_after_forward=False)
+    optimizer = model.configure_optimizers()
+
+    def step(xs, ys):
+        loss = next_byte_loss(model(xs), ys)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -161,7 +191,7 @@ def _timed_loop(step, out: Path, rank: int, world: int) -> None:
 
 
 def launch(role: str, out: Path) -> dict:
-    """One job of ``role`` (fleet-deepspeed, fleet-torch, deepspeed, torch, ddp) under torchrun; its JSON record."""
+    """One job of ``role`` (fleet-<table>, deepspeed, torch, fsdp, ddp) under torchrun; its JSON record."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -173,9 +203,10 @@ def launch(role: str, out: Path) -> dict:
     return json.loads(out.read_text())
 
 
-TABLES = {  # runtime -> (the bare jobs it is held against, first the one the goal is stated for)
+TABLES = {  # table (a key of PLANS) -> (the bare jobs it is held against, first the one the goal is stated for)
     "deepspeed": (("deepspeed", "bare DeepSpeed loop (config by hand)"),),
     "torch": (("torch", "bare DistributedDataParallel loop (by hand)"), ("ddp", 'Trainer(strategy="ddp")')),
+    "torch-fsdp": (("fsdp", "bare FSDP2 loop (fully_shard by hand)"),),
 }
 ROUNDS = 3
 
@@ -186,11 +217,11 @@ def main() -> None:
     steps: dict[str, list[float]] = {}
     fleet: dict[str, list[dict]] = {}
     for i in range(ROUNDS):  # alternate every job within a round, so that drift on this shared box hits all of them
-        for runtime, bare in TABLES.items():
+        for table, bare in TABLES.items():
             for role, _ in bare:
                 steps.setdefault(role, []).extend(launch(role, work / f"{role}{i}.json")["step_s"])
-            record = launch(f"fleet-{runtime}", work / f"fleet-{runtime}{i}.json")
-            fleet.setdefault(runtime, []).append(record)
+            record = launch(f"fleet-{table}", work / f"fleet-{table}{i}.json")
+            fleet.setdefault(table, []).append(record)
     text = f"""# FleetStrategy vs the same layout on each bare runtime
 
 Command: `.venv/bin/python benchmarks/strategy_vs_deepspeed.py`
@@ -198,13 +229,13 @@ Machine: {platform.machine()}, {os.cpu_count()} cores, 2 processes under torchru
 Workload: example GPT (4 layers, hidden 128, seq 128, 0.88 M params), global batch {GBS}, {STEPS} steps, the first
 {WARMUP} dropped, {ROUNDS} rounds in which every job below runs once, in the order listed (alternating).
 """
-    for runtime, bare in TABLES.items():
-        runs = fleet[runtime]
+    for table, bare in TABLES.items():
+        runs = fleet[table]
         flat = statistics.median(s for record in runs for s in record["step_s"])
         startup = {k: statistics.median(r["startup"][k] for r in runs) for k in runs[-1]["startup"]}
         rows = [(label, statistics.median(steps[role])) for role, label in bare]
         text += f"""
-## {runtime}
+## {table}
 
 Plan `{runs[-1]['plan']}`.
 
@@ -226,8 +257,8 @@ The cost model predicted {runs[-1]['predicted_step_s']:.4f} s per step for this 
 
 if __name__ == "__main__":
     if len(sys.argv) == 3:
-        jobs = {"fleet-deepspeed": lambda out: fleet_job(out, "deepspeed"), "fleet-torch": lambda out: fleet_job(out, "torch"),
-                "deepspeed": deepspeed_job, "torch": torch_job, "ddp": ddp_job}
+        jobs = {"deepspeed": deepspeed_job, "torch": torch_job, "fsdp": fsdp_job, "ddp": ddp_job,
+                **{f"fleet-{table}": (lambda out, table=table: fleet_job(out, table)) for table in PLANS}}
         jobs[sys.argv[1]](Path(sys.argv[2]))
     else:
         main()

@@ -1,6 +1,6 @@
 """Tier 3: the module zoo (tests/zoo.py: modules and data as users write them) trained on 2 gloo processes under
-strategy "fleet" on the torch runtime (DistributedDataParallel; the planner chooses the rest of the plan) and with a
-forced ZeRO-3 plan (which DeepSpeed trains), each held against plain single-process Lightning.
+strategy "fleet" on the torch runtime (DistributedDataParallel; the planner chooses the rest of the plan), and with a
+forced shard level 3 on each runtime (FSDP2, DeepSpeed's ZeRO-3), each held against plain single-process Lightning.
 
 The reference is ``Trainer(devices=1)`` without lightning_fleet's strategy, fed the same global batches in the same
 order (the documented order of the training data: lightning_fleet.data) as micro-batches with
@@ -30,7 +30,9 @@ WORKER = ROOT / "tests" / "workers" / "zoo_worker.py"
 STEPS, WORLD = 4, 2
 GLOBAL_BATCH = BATCH_SIZE * WORLD
 NAMES = sorted(CASES)
-PLANS = {"torch": "runtime=torch", "zero3": "zero=3"}
+PLANS = {"torch": "runtime=torch", "torch-zero3": "zero=3,runtime=torch", "deepspeed-zero3": "zero=3,runtime=deepspeed"}
+"""Setting -> plan: the torch runtime at the shard level the planner picks (DDP), FSDP2 at shard level 3, DeepSpeed's
+ZeRO-3."""
 
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.usefixtures("restore_environment")]  # in-process Trainers change os.environ
@@ -107,10 +109,8 @@ def test_case_trains_like_one_process(name, trained, references):
     setting, results = trained
     case, result, ref = CASES[name], trained[1][name], references[name]
     assert result["global_step"] == STEPS
-    if setting == "zero3":
-        assert ",zero=3," in result["plan"] and result["runtime"] == "deepspeed"
-    else:
-        assert result["runtime"] == "torch" and ",zero=0," in result["plan"], result["plan"]
+    runtime, _, zero = setting.partition("-zero")
+    assert result["runtime"] == runtime and f",zero={zero or 0}," in result["plan"], result["plan"]
     if case.batch_dependent:  # the strategy keeps the DataLoader's batch size as the micro-batch for such losses
         assert result["batch_dependent"] and f",mbs={BATCH_SIZE}," in result["plan"], result["plan"]
     atol = tolerance(case)
