@@ -36,6 +36,7 @@ from lightning_fleet.planning import plan as search_plans
 from lightning_fleet.planning.cluster import GIB
 from lightning_fleet.planning.search import uneven_split_line
 from lightning_fleet.planning.plan import field_text
+from lightning_fleet.runtime import capabilities_of
 from lightning_fleet.runtime.base import Capabilities, ModuleHooks
 
 
@@ -134,16 +135,19 @@ def job_global_batch_size(options: JobOptions, *, loader_batch_size: int, world_
 
 
 def resume_of(path: str | None, manifest: Manifest | None, world_size: int) -> Resume:
-    """How a checkpoint (or none) is continued by a job of ``world_size`` processes."""
+    """How a checkpoint (or none) is continued by a job of ``world_size`` processes (a tp or pp checkpoint reshards
+    where the runtime that wrote it reshards them: ``Capabilities.reshard_data_parallel_only``)."""
     if manifest is None:
         return Resume(kind=ResumeKind.FRESH)
     if manifest.world_size == world_size:
         return Resume(kind=ResumeKind.CONTINUE, path=path, manifest=manifest)
     source = parse_plan(manifest.plan or "")
-    if source.tp > 1 or source.pp > 1:
+    writer = capabilities_of(source.runtime or LEGACY_RUNTIME)
+    if (source.tp > 1 or source.pp > 1) and writer.reshard_data_parallel_only:
         raise FleetError(
-            f"checkpoint {path} was written by {source} on {manifest.world_size} processes; resharding to {world_size} "
-            f"processes needs a data-parallel checkpoint (tp=1, pp=1): relaunch with {manifest.world_size} processes"
+            f"checkpoint {path} was written by {source} on {manifest.world_size} processes; resharding {writer.label}'s "
+            f"checkpoints to {world_size} processes needs a data-parallel one (tp=1, pp=1): relaunch with "
+            f"{manifest.world_size} processes"
         )
     return Resume(kind=ResumeKind.RESHARD, path=path, manifest=manifest)
 

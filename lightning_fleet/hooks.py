@@ -123,10 +123,15 @@ def tensor_parallel_limits(module: nn.Module) -> tuple[TensorParallelLimit, ...]
     return () if spec is None else _limits(module, spec)
 
 
+def split_layers(module: nn.Module, patterns: TensorParallelSpec) -> list[tuple[str, nn.Module, str]]:
+    """(name, layer, ``column`` or ``row``) for each layer of ``module`` whose own parameters a pattern matches (column
+    first): what a tensor-parallel runtime splits."""
+    return [(name, sub, kind) for name, sub in module.named_modules() if (kind := _split_kind(sub, name, patterns))]
+
+
 def _limits(module: nn.Module, spec: dict[str, Any]) -> tuple[TensorParallelLimit, ...]:
     heads, kv, head_dim = _attention_shape(module, spec)
-    patterns = _patterns(spec)
-    split = [(name, sub, kind) for name, sub in module.named_modules() if (kind := _split_kind(sub, name, patterns))]
+    split = split_layers(module, _patterns(spec))
     head_dim = head_dim or _head_dim(split, heads)
     return tuple(_limit(name, sub, kind, heads, kv, head_dim) for name, sub, kind in split)
 

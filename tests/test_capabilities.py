@@ -196,27 +196,29 @@ def test_the_runtime_table_names_each_runtime_once_with_its_parts() -> None:
         runtime_of_format("x/1")
 
 
-def test_torch_runs_shard_level_zero_only_and_says_what_to_use_for_the_rest() -> None:
+def test_torch_runs_shard_levels_0_2_3_and_tp_and_says_what_to_use_for_the_rest() -> None:
     """A plan on an axis the torch runtime does not run is refused in one line naming the axis; the constraints it
     hands the planner leave those axes out."""
     module = hooks()
     for plan, why in (
-        ("zero=3", "torch runs zero 0 only; use one of them"),
-        ("tp=2", "torch runs no tensor parallelism; use tp=1"),
+        ("zero=1", "torch runs zero 0, 2 or 3 only; use one of them"),
         ("pp=2", "torch runs no pipelines; use pp=1"),
+        ("zero=2,offload=optimizer", "torch runs no offload; use offload=none"),
+        ("tp=2,sp=true", "torch runs neither sequence parallelism nor interleaved pipelines; use sp=false, vpp=1"),
         ("zero=0,offload=optimizer", None),  # offload needs zero >= 1: the plan itself refuses it
     ):
         if why is None:
             with pytest.raises(FleetError):
                 parse_partial_plan(plan)
             continue
-        assert TORCH.refusal(parse_partial_plan(plan), module) == f"plan {plan}: {why}"
-    assert TORCH.refusal(parse_partial_plan("zero=0,dp=2"), module) is None
+        assert TORCH.refusal(parse_partial_plan(plan), module) == f"plan {parse_partial_plan(plan)}: {why}"
+    for runs in ("zero=0,dp=2", "zero=3", "zero=2,tp=2", "dp=2,tp=2,zero=0"):
+        assert TORCH.refusal(parse_partial_plan(runs), module) is None, runs
     constraints = TORCH.constraints(module, max_tp=8, max_pp=8)
-    assert (constraints.zero_stages, constraints.max_tp, constraints.max_pp, constraints.allow_offload) == ((0,), 1, 1, False)
+    assert (constraints.zero_stages, constraints.max_tp, constraints.max_pp, constraints.allow_offload) == ((0, 2, 3), 8, 1, False)
     assert TORCH.job_refusal(require_offload=True, zero_stages=(0, 1, 2, 3)) == "torch runs no offload, and FleetStrategy(require_offload=True)"
-    assert TORCH.job_refusal(require_offload=False, zero_stages=(3,)) == "torch runs zero 0, and FleetStrategy(zero_stages=(3,))"
-    assert TORCH.job_refusal(require_offload=False, zero_stages=(0, 3)) is None
+    assert TORCH.job_refusal(require_offload=False, zero_stages=(1,)) == "torch runs zero 0, 2 or 3, and FleetStrategy(zero_stages=(1,))"
+    assert TORCH.job_refusal(require_offload=False, zero_stages=(1, 3)) is None
     assert DEEPSPEED.job_refusal(require_offload=True, zero_stages=(3,)) is None
 
 

@@ -111,13 +111,19 @@ def test_global_batch_comes_from_the_checkpoint_then_the_option_then_the_loader(
     assert job_global_batch_size(JobOptions(), loader_batch_size=4, world_size=2, manifest=None) == 8
 
 
-def test_resume_kind_follows_the_world_size_and_refuses_resharding_model_parallel_checkpoints():
+def test_resume_kind_follows_the_world_size_and_refuses_resharding_what_the_writer_cannot():
+    """DeepSpeed's tp checkpoints (and pre-runtime ones, DeepSpeed's) reshard only data-parallel; the torch runtime's
+    DCP checkpoints reshard tp too."""
     assert resume_of(None, None, 4).kind is ResumeKind.FRESH
     same = resume_of("/c/step-000000007", manifest("dp=4,tp=1,pp=1,zero=2,mbs=2,gas=4", 4), 4)
     assert same.kind is ResumeKind.CONTINUE and same.path == "/c/step-000000007"
     assert resume_of("/c/s", manifest("dp=4,tp=1,pp=1,zero=2,mbs=2,gas=4", 4), 2).kind is ResumeKind.RESHARD
-    with pytest.raises(FleetError, match=r"needs a data-parallel checkpoint \(tp=1, pp=1\): relaunch with 4 processes"):
-        resume_of("/c/s", manifest("dp=2,tp=2,pp=1,zero=1,mbs=2,gas=8", 4), 2)
+    for written in ("dp=2,tp=2,pp=1,zero=1,mbs=2,gas=8", "dp=2,tp=2,pp=1,zero=1,mbs=2,gas=8,runtime=deepspeed"):
+        with pytest.raises(FleetError, match=r"resharding DeepSpeed's checkpoints to 2 processes needs a data-parallel one "
+                                             r"\(tp=1, pp=1\): relaunch with 4 processes"):
+            resume_of("/c/s", manifest(written, 4), 2)
+    tp = resume_of("/c/s", manifest("dp=2,tp=2,pp=1,zero=2,mbs=2,gas=8,runtime=torch", 4), 2)
+    assert tp.kind is ResumeKind.RESHARD
 
 
 def test_a_continued_checkpoint_keeps_its_plan_and_a_clash_is_one_line():
@@ -179,16 +185,23 @@ def test_the_fastest_executable_runtime_trains_and_the_report_says_by_how_much()
 
 
 def test_a_plan_only_one_runtime_runs_goes_to_it_and_one_no_runtime_runs_names_each_refusal():
-    decision = run_both(facts(), plan="zero=3")
-    assert decision.runtime == "deepspeed" and decision.plan.zero == 3
-    assert "torch: plan zero=3: torch runs zero 0 only" in next(line for line in decision.report if "runtime  " in line)
+    decision = run_both(facts(), plan="zero=1")
+    assert decision.runtime == "deepspeed" and decision.plan.zero == 1
+    assert "torch: plan zero=1: torch runs zero 0, 2 or 3 only" in next(line for line in decision.report if "runtime  " in line)
     assert run_both(facts(), plan="zero=0,runtime=torch").runtime == "torch"
+    assert run_both(facts(), plan="zero=3,runtime=torch").runtime == "torch"
     with pytest.raises(FleetError) as err:
-        run_both(facts(), plan="zero=3,runtime=torch")
-    assert str(err.value) == "plan zero=3: torch runs zero 0 only; use one of them"
-    with pytest.raises(FleetError) as err:  # torch runs no tp at all: DeepSpeed's reason is the one to act on
+        run_both(facts(), plan="zero=1,runtime=torch")
+    assert str(err.value) == "plan zero=1: torch runs zero 0, 2 or 3 only; use one of them"
+    with pytest.raises(FleetError) as err:  # torch runs no pipeline at all: DeepSpeed would
+        run_both(facts(), plan="pp=2,runtime=torch")
+    assert str(err.value) == "plan pp=2: torch runs no pipelines; use pp=1"
+    with pytest.raises(FleetError) as err:  # both run tp, neither sp: each says so
         run_both(facts(), plan="sp=true,tp=2")
-    assert str(err.value) == "plan tp=2,sp=true: DeepSpeed runs neither sequence parallelism nor interleaved pipelines; use sp=false, vpp=1"
+    assert str(err.value) == (
+        "no runtime executes this job: torch: plan tp=2,sp=true: torch runs neither sequence parallelism nor interleaved "
+        "pipelines; use sp=false, vpp=1; deepspeed: plan tp=2,sp=true: DeepSpeed runs neither sequence parallelism nor "
+        "interleaved pipelines; use sp=false, vpp=1")
 
 
 def test_a_checkpoint_continues_on_the_runtime_that_wrote_it():

@@ -358,17 +358,20 @@ def test_resize_across_plan_kinds_replans_reshards_and_loses_nothing(tmp_path):
 
 
 def test_the_torch_runtime_reshards_across_worlds_and_shard_levels_through_dcp_and_loses_nothing(tmp_path):
-    """FSDP2 at shard level 3 on 2 processes -> DistributedDataParallel on 1 -> FSDP2 at level 2 on 2: each relaunch
-    loads the newest checkpoint as torch.distributed.checkpoint wrote it (no conversion: DTensor shards into whole
-    tensors and back), re-plans the split, and the final weights equal the one-process reference within 2e-5."""
-    for steps, nproc, zero in ((4, 2, 3), (7, 1, 0), (10, 2, 2)):
-        job = launch(tmp_path, "--steps", str(steps), "--every", "3", "--plan", f"zero={zero},runtime=torch", restarts=0, nproc=nproc)
+    """Tensor parallel (tp=2) on 2 processes -> FSDP2 at shard level 3 on 1 -> DistributedDataParallel over dp=2 -> FSDP2
+    at level 2 on 1: each relaunch loads the newest checkpoint as torch.distributed.checkpoint wrote it (no conversion:
+    tp shards and FSDP2's DTensor shards into whole tensors and back), re-plans the split, and the final weights equal
+    the one-process reference within 2e-5."""
+    for steps, nproc, plan in ((3, 2, "tp=2,zero=0"), (5, 1, "zero=3"), (7, 2, "dp=2,zero=0"), (10, 1, "zero=2")):
+        job = launch(tmp_path, "--steps", str(steps), "--every", "2", "--plan", f"{plan},runtime=torch", "--max-tp", "2",
+                     restarts=0, nproc=nproc)
         assert finish(job) == 0, (tmp_path / "launch.log").read_text()[-3000:]
     log = (tmp_path / "launch.log").read_text()
-    assert "resharded from 2 to 1 processes, dp=2,tp=1,pp=1,zero=3," in log
-    assert "resharded from 1 to 2 processes, dp=1,tp=1,pp=1,zero=0," in log
+    assert "resharded from 2 to 1 processes, dp=1,tp=2,pp=1,zero=0," in log
+    assert "resharded from 1 to 2 processes, dp=1,tp=1,pp=1,zero=3," in log
+    assert "resharded from 2 to 1 processes, dp=2,tp=1,pp=1,zero=0," in log
     result = torch.load(tmp_path / "final.pt", weights_only=False)
-    assert result["plan"].startswith("dp=2,") and ",zero=2," in result["plan"] and result["plan"].endswith(",runtime=torch")
+    assert result["plan"].startswith("dp=1,tp=1,pp=1,zero=2,") and result["plan"].endswith(",runtime=torch")
     ref_loss, ref_state = reference_run(10, GBS)
     assert result["global_step"] == 10 and result["eval_loss"] == pytest.approx(ref_loss, rel=1e-5)
     for name, tensor in result["state"].items():

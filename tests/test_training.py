@@ -2,8 +2,9 @@
 reference.
 
 Every plan kind each runtime executes (torch: DistributedDataParallel with accumulation and full recomputation, FSDP2
-at shard levels 2 and 3; DeepSpeed: ZeRO 0-3, optimizer and parameter offload, full recomputation, tensor parallel via AutoTP, pipeline parallel
-via DeepSpeed's PipelineModule) trains the example GPT for 6 steps on 2 processes; the
+at shard levels 2 and 3, DTensor tensor parallel; DeepSpeed: ZeRO 0-3, optimizer and parameter offload, full
+recomputation, tensor parallel via AutoTP, pipeline parallel via DeepSpeed's PipelineModule) trains the example GPT for
+6 steps on 2 processes; the
 eval loss and the weights after those steps must match one plain PyTorch process that takes the
 whole global batch per step (tolerance 2e-5 absolute on weights, 1e-5 relative on loss: only the
 summation order differs). Each plan is also checkpointed after 3 steps and resumed to 6 in a new
@@ -15,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.multiprocess import run_worker
+from tests.multiprocess import ROOT, run_worker
 from tests.reference import reference_run
 
 pytestmark = pytest.mark.multiprocess
@@ -33,8 +34,10 @@ PLANS = [
     "dp=2,zero=2,offload=optimizer",
     "dp=2,zero=3,offload=optimizer+params",
     "dp=2,zero=1,recompute=full",
-    "dp=1,tp=2,zero=0",
-    "dp=1,tp=2,zero=3,mbs=2",
+    "dp=1,tp=2,zero=0,runtime=deepspeed",
+    "dp=1,tp=2,zero=3,mbs=2,runtime=deepspeed",
+    "dp=1,tp=2,zero=0,runtime=torch",
+    "dp=1,tp=2,zero=3,mbs=2,runtime=torch",
     "dp=1,pp=2,zero=0",
     "dp=1,pp=2,zero=1,mbs=2,recompute=full",
 ]
@@ -61,7 +64,7 @@ def resumed(tmp_path_factory):
     common = ["--plans", PLAN_ARG, "--gbs", str(GBS), "--cluster", "cpu"]
     run_worker(tmp, *common, "--steps", "3", "--save-to", str(tmp / "ckpt"))
     results, _ = run_worker(tmp, *common, "--steps", str(STEPS), "--resume-from", str(tmp / "ckpt"))
-    return dict(zip(PLANS, results))
+    return dict(zip(PLANS, results)) | {"saved": tmp / "ckpt"}
 
 
 @pytest.mark.parametrize("plan", PLANS)
@@ -77,12 +80,14 @@ def test_plan_matches_single_process_reference(plan, straight, reference):
 
 
 def test_model_parallel_plans_really_split_the_weights(straight, reference):
-    """Under tp=2 (AutoTP replaced the Linear layers) or pp=2 (each stage builds its layers) a rank holds about half the weights."""
+    """While training, under tp=2 (AutoTP replaced the Linear layers; DTensor split them) or pp=2 (each stage builds its
+    layers) a rank holds about half the weights, as under FSDP2 at shard levels 2-3 and DeepSpeed's ZeRO-3."""
     full = sum(t.numel() for t in reference[1].values())
     for plan in PLANS:
-        local = straight[0][plan]["local_params"]
-        split = ",tp=2" in plan or ",pp=2" in plan
-        assert (local < 0.75 * full) if split else (local == full or "zero=3" in plan), (plan, local, full)
+        result = straight[0][plan]
+        local, chosen = result["local_params"], result["plan"]
+        split = ",tp=2" in chosen or ",pp=2" in chosen or ",zero=3," in chosen or ",zero=2," in chosen and chosen.endswith("runtime=torch")
+        assert (local < 0.75 * full) if split else local == full, (plan, local, full)
 
 
 def test_forced_plans_are_printed_with_predictions(straight):
@@ -113,3 +118,44 @@ def test_torchrun_launch_and_automatic_plan(tmp_path, reference):
     assert result["eval_loss"] == pytest.approx(reference[0], rel=1e-5)
     assert result["metrics"]["fleet/predicted_step_s"] > 0 and result["metrics"]["fleet/measured_step_s"] > 0
     assert (tmp_path / "cache").is_dir() and any((tmp_path / "cache").glob("cluster-*.yaml"))
+
+
+@pytest.mark.parametrize("plan", [p for p in PLANS if p.endswith("runtime=torch")])
+def test_fleet_export_reads_the_torch_runtimes_checkpoints_whole(plan, resumed):
+    """``fleet export`` of a step-3 save of every torch plan (DDP's whole tensors, FSDP2's and tensor parallelism's
+    DTensor shards): the full weights, in the module's keys, equal to the one-process reference after 3 steps."""
+    from lightning_fleet.export import export_state_dict
+
+    exported = export_state_dict(resumed["saved"] / str(PLANS.index(plan)))
+    _, ref_state = reference_run(3, GBS)
+    assert list(exported) == list(ref_state)
+    for name, tensor in ref_state.items():
+        torch.testing.assert_close(exported[name], tensor, atol=2e-5, rtol=0, msg=f"{plan}: {name}")
+
+
+WIDE_TORCH_PLANS = ["dp=2,tp=2,zero=0,runtime=torch", "dp=2,tp=2,zero=2,runtime=torch", "dp=2,tp=2,zero=3,mbs=2,runtime=torch"]
+"""dp x tp on a (dp, tp) mesh of 4 processes: the engine's own all-reduce over dp at shard level 0, FSDP2 over dp above."""
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    """The torch runtime's dp x tp plans, 6 steps each, in one 4-process job."""
+    tmp = tmp_path_factory.mktemp("wide")
+    cluster = (ROOT / "lightning_fleet/planning/presets/clusters/cpu.yaml").read_text()
+    (tmp / "cluster.yaml").write_text(cluster.replace("devices_per_node: 2", "devices_per_node: 4"))
+    results, _ = run_worker(tmp, "--plans", ";".join(WIDE_TORCH_PLANS), "--steps", str(STEPS), "--gbs", str(GBS),
+                            "--devices", "4", "--cluster", str(tmp / "cluster.yaml"))
+    return dict(zip(WIDE_TORCH_PLANS, results))
+
+
+@pytest.mark.parametrize("plan", WIDE_TORCH_PLANS)
+def test_dp_by_tp_on_the_torch_runtime_matches_the_reference(plan, wide, reference):
+    """4 processes, dp=2 x tp=2: each rank holds its tp shard (a quarter of the split layers under FSDP2) while training,
+    and the handed-back module equals the one-process reference."""
+    result, (ref_loss, ref_state) = wide[plan], reference
+    zero = plan.split("zero=")[1][0]
+    assert result["plan"].startswith(f"dp=2,tp=2,pp=1,zero={zero},") and result["world_size"] == 4, result["plan"]
+    assert result["local_params"] < 0.75 * sum(t.numel() for t in ref_state.values())
+    assert result["eval_loss"] == pytest.approx(ref_loss, rel=1e-5)
+    for name, tensor in result["state"].items():
+        torch.testing.assert_close(tensor, ref_state[name], atol=2e-5, rtol=0, msg=f"{plan}: {name}")

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
-from lightning.pytorch import Trainer, seed_everything  # noqa: E402
+from lightning.pytorch import Callback, Trainer, seed_everything  # noqa: E402
 
 import lightning_fleet  # noqa: E402
 from examples.gpt.data import StdlibText  # noqa: E402
@@ -33,6 +33,18 @@ def eval_batch(dm: StdlibText) -> tuple[torch.Tensor, torch.Tensor]:
     dm.setup("fit")
     xs, ys = zip(*(dm.train_set[i] for i in range(16)))
     return torch.stack(xs), torch.stack(ys)
+
+
+class LocalParams(Callback):
+    """This rank's parameter elements at the end of training, before the module is handed back (a DTensor's local shard;
+    DeepSpeed's engine module as it holds them)."""
+
+    local = 0
+
+    def on_train_end(self, trainer, pl_module) -> None:  # type: ignore[no-untyped-def]
+        engine = trainer.strategy.engine
+        module = getattr(engine, "module", engine)
+        self.local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in module.parameters())
 
 
 def full_state(trainer: Trainer, model: GPT) -> dict[str, torch.Tensor]:
@@ -62,10 +74,12 @@ def main() -> None:
         model = GPT(**SIZES)
         dm = StdlibText(**DATA)
         strategy = lightning_fleet.FleetStrategy(plan=None if plan == "auto" else plan, global_batch_size=args.gbs, cluster=args.cluster)
+        counted = LocalParams()
         trainer = Trainer(
             accelerator="cpu",
             devices=args.devices,
             strategy=strategy,
+            callbacks=[counted],
             precision=args.precision,
             max_steps=args.steps,
             **QUIET_TRAINER,
@@ -83,7 +97,8 @@ def main() -> None:
         else:
             with torch.no_grad():
                 loss = float(model.loss((x, y)))
-        sharded = trainer.strategy.plan.tp > 1 or trainer.strategy.plan.pp > 1
+        plan = trainer.strategy.plan
+        sharded = plan.pp > 1 or plan.tp > 1 and plan.runtime == "deepspeed"  # DeepSpeed's AutoTP keeps its split layers
         state = {} if sharded else full_state(trainer, model)
         results.append(
             {
@@ -93,7 +108,7 @@ def main() -> None:
                 "state": state,
                 "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
                 "world_size": trainer.world_size,
-                "local_params": sum(p.numel() for p in getattr(trainer.strategy.engine, "module", trainer.strategy.engine).parameters()),
+                "local_params": counted.local,
             }
         )
     if int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))) == 0 and trainer.global_rank == 0:

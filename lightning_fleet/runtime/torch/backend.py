@@ -1,8 +1,8 @@
 """TorchBackend: a Decision applied with torch's own stack -- engine, micro-steps, save, load, hand-back.
 
 Shard level 0 is :class:`torch.nn.parallel.DistributedDataParallel` over the user's module (the module itself is never
-changed: DDP wraps it, and the end of fit unwraps it); shard levels 2 and 3 are FSDP2 over its layers and itself
-(:mod:`lightning_fleet.runtime.torch.fsdp`: in place, undone at the end of fit). Checkpoints go through torch.distributed.checkpoint
+changed: DDP wraps it, and the end of fit unwraps it); tensor parallelism is DTensor's, shard levels 2 and 3 are FSDP2
+over its layers and itself (:mod:`lightning_fleet.runtime.torch.engine`: in place, undone at the end of fit). Checkpoints go through torch.distributed.checkpoint
 (:mod:`lightning_fleet.runtime.torch.dcp`: every file read back by the restricted unpickler, checked against the
 manifest), with Lightning's client state (loops, callbacks, hyper-parameters) in one file rank 0 writes beside them and
 the layout file ``fleet export`` reads (:func:`read`).
@@ -38,7 +38,8 @@ _SKIPPED = ("state_dict", "optimizer_states")
 
 
 class TorchBackend:
-    """Applies a plan with torch's DistributedDataParallel or FSDP2; checkpoints through torch.distributed.checkpoint."""
+    """Applies a plan with torch's DistributedDataParallel, DTensor tensor parallelism and FSDP2; checkpoints through
+    torch.distributed.checkpoint."""
 
     capabilities: Capabilities = TORCH
     """What torch executes here (the planner and the CLI read the same value)."""
@@ -48,18 +49,20 @@ class TorchBackend:
     """The engine does not zero gradients itself: the step's first micro-batch starts from the user's zero_grad."""
 
     def gradient_check(self, plan: Plan) -> str:
-        """In ``param.grad``: whole on every rank at shard level 0 (DDP's all-reduce), this rank's shard above (FSDP's
-        reduce-scatter)."""
-        return REPLICATED_CHECK if plan.zero == 0 else SHARDED_CHECK
+        """In ``param.grad``: whole on every rank under DDP (shard level 0, tp=1), else this rank's shard (FSDP's
+        reduce-scatter, tensor parallelism's split)."""
+        return REPLICATED_CHECK if plan.zero == 0 and plan.tp == 1 else SHARDED_CHECK
 
     def __init__(self) -> None:
         self._optimizers: list[Any] = []  # the optimizers of the engine being trained (saved and loaded with it)
+        self._keys: list[str] = []  # the module's state_dict keys in order, before the engine changed it
 
     def config(
         self, plan: Plan, *, gradient_clipping: float, device_type: str, tensor_parallel: TensorParallelSpec | None, universal: bool
     ) -> dict[str, Any]:
-        """The engine's settings: the shard level (gradient clipping is Lightning's own, through its precision plugin)."""
-        return {"zero": plan.zero}
+        """The engine's settings: the shard level and the layers tensor parallelism splits (gradient clipping is
+        Lightning's own, through its precision plugin)."""
+        return {"zero": plan.zero, "tensor_parallel": tensor_parallel}
 
     def preload(self) -> None:
         """Import torch.distributed, as a training process has it loaded."""
@@ -92,15 +95,16 @@ class TorchBackend:
     def build(self, module: nn.Module, optimizer: Any, scheduler: Any, *, plan: Plan, config: dict[str, Any], device_rank: int,
               layers: Sequence[nn.Module] | None) -> tuple[Any, Any]:
         """(engine, ``optimizer``) on the live default process group: DistributedDataParallel over ``module`` at shard
-        level 0, FSDP2 over its layers and itself at 2-3 (:mod:`lightning_fleet.runtime.torch.fsdp`)."""
+        level 0 without tensor parallelism, else DTensor tensor parallelism and FSDP2 over its layers and itself
+        (:mod:`lightning_fleet.runtime.torch.engine`)."""
         self._optimizers = []  # this fit's (optimizer() adds them)
         zero = int(config["zero"])
         if zero not in TORCH.zero_stages:
             raise FleetError(f"plan {plan}: the torch runtime runs zero {', '.join(map(str, TORCH.zero_stages))}; use runtime='deepspeed' for zero={zero}")
-        if zero >= 2:
-            from lightning_fleet.runtime.torch.fsdp import shard
+        if zero >= 2 or plan.tp > 1:
+            from lightning_fleet.runtime.torch.engine import apply
 
-            return shard(module, layers, zero=zero), optimizer
+            return apply(module, layers, plan=plan, tensor_parallel=config["tensor_parallel"]), optimizer
         from torch.nn.parallel import DistributedDataParallel
 
         device_ids = [device_rank] if next(module.parameters(), torch.empty(0)).device.type == "cuda" else None
@@ -163,12 +167,14 @@ class TorchBackend:
         return state_dir(step)
 
     def record(self, module: nn.Module) -> nn.Module:
-        """The module itself: DDP wraps it without changing it."""
+        """The module itself (DDP wraps it; what FSDP and tensor parallelism change, the hand-back undoes), and its
+        state_dict keys in order, for the layout file."""
+        self._keys = list(module.state_dict().keys())
         return module
 
     def hand_back_bytes(self, record: nn.Module) -> int:
-        """Under DDP nothing to gather (the module holds the whole trained weights on every rank); under FSDP every
-        parameter and optimizer state tensor whole, at its dtype (their DTensors' global shapes)."""
+        """Under DDP nothing to gather (the module holds the whole trained weights on every rank); under FSDP or tensor
+        parallelism every parameter and optimizer state tensor whole, at its dtype (their DTensors' global shapes)."""
         if not self._optimizers or not any(_is_dtensor(p) for p in record.parameters()):
             return 0
         tensors = {id(p): p for p in record.parameters()}
@@ -178,26 +184,26 @@ class TorchBackend:
 
     def hand_back(self, strategy: Any, record: nn.Module) -> None:
         """End of fit (collective under FSDP): the strategy holds the plain module again, with the trained weights
-        whole on every rank (FSDP: gathered, its hooks and classes removed, the optimizers over the plain parameters,
-        :func:`lightning_fleet.runtime.torch.fsdp.release`), and the engine is let go while the process group lives: a
+        whole on every rank (FSDP, tensor parallelism: gathered, their hooks and classes removed, the optimizers over the
+        plain parameters, :func:`lightning_fleet.runtime.torch.engine.release`), and the engine is let go while the process group lives: a
         DDP wrapper alive at interpreter exit keeps its reducer's gloo group until the teardown, whose destruction there
         aborts the process ("terminate called without an active exception", seen on rank 1 after a finished fit;
         pytorch/pytorch#65231). Later saves need only the module and its optimizers."""
-        from lightning_fleet.runtime.torch.fsdp import ShardedEngine, release
+        from lightning_fleet.runtime.torch.engine import ParallelEngine, release
 
         engine = strategy._fit.engine
-        if isinstance(engine, ShardedEngine):
+        if isinstance(engine, ParallelEngine):
             release(engine, self._optimizers)
         strategy.model = record
         strategy._fit.engine = record
 
     def write_layout(self, strategy: Any, directory: str | Path, record: Any) -> None:
-        """Rank 0: the layout file ``fleet export`` reads (the plan, the world, the format)."""
+        """Rank 0: the layout file ``fleet export`` reads (the plan, the world, the format, the module's keys in order)."""
         if int(strategy.global_rank) != 0:
             return
         plan = strategy.plan
         layout = {"format": LAYOUT_FORMAT, "plan": str(plan), "world_size": int(strategy.world_size), "dcp": DCP_DIR,
-                  "client": CLIENT_FILE}
+                  "client": CLIENT_FILE, "keys": self._keys}
         write_atomic(Path(directory) / EXPORT_LAYOUT, json.dumps(layout, indent=1))
 
     def state_of(self, step: Path) -> Path:
@@ -215,6 +221,9 @@ def read(directory: Path, layout: Mapping[str, Any]) -> tuple[dict[str, torch.Te
     if not isinstance(weights, Mapping):
         raise FleetError(f"{directory / DCP_DIR} holds no model state: it is not a checkpoint of the torch runtime")
     full = {key: value.float() if value.is_floating_point() else value for key, value in weights.items() if isinstance(value, torch.Tensor)}
+    keys = layout.get("keys")
+    order = [key for key in keys if isinstance(key, str) and key in full] if isinstance(keys, list) else []  # the module's
+    full = {key: full[key] for key in [*order, *(key for key in full if key not in set(order))]}
     return full, load_file(directory / str(layout.get("client", CLIENT_FILE)))
 
 

@@ -31,11 +31,14 @@ TORCH = Capabilities(
     name="torch",
     label="torch",
     # shard level 0 is DistributedDataParallel, 2 and 3 FSDP2's fully_shard per layer and root with
-    # reshard_after_forward False/True (runtime/torch/backend.py, fsdp.py); 1 (ZeroRedundancyOptimizer) is not wired:
+    # reshard_after_forward False/True (runtime/torch/backend.py, engine.py); 1 (ZeroRedundancyOptimizer) is not wired:
     # its state_dict needs a consolidation on one rank that torch.distributed.checkpoint's get_state_dict does not do
     zero_stages=(0, 2, 3),
-    # DTensor's parallelize_module is not wired yet: tp plans run on DeepSpeed's AutoTP
-    tensor_parallel=False,
+    # DTensor's parallelize_module splits the layers fleet_tensor_parallel() names (runtime/torch/engine.py), on the tp
+    # axis of a (dp, tp) mesh; FSDP2 shards over dp beside it, or at shard level 0 the engine all-reduces over dp
+    tensor_parallel=True,
+    # sequence parallelism needs the norms and the residual stream laid out along the sequence (torchtitan's
+    # SequenceParallel with PrepareModuleInput per layer): not wired, sp plans are priced but not executed here
     sequence_parallel=False,
     # torch.distributed.pipelining is the pipelines issue's work: pp plans run on DeepSpeed's pipeline engine
     pipeline=False,
@@ -59,14 +62,15 @@ TORCH = Capabilities(
     tp_needs_hook=True,
     pp_needs_hook=True,
     pp_needs_automatic_optimization=True,
-    # torch.distributed.checkpoint saves each tensor with its global shape (DDP: whole; FSDP2: DTensor shards) and
-    # loads it into whatever layout the loading engine has (get_state_dict / set_state_dict): any data-parallel size,
-    # any of these shard levels
+    # torch.distributed.checkpoint saves each tensor with its global shape (DDP: whole; FSDP2 and tensor parallelism:
+    # DTensor shards) and loads it into whatever layout the loading engine has (get_state_dict / set_state_dict): any
+    # world size, any of these shard levels, any tp
     reshard_zero_stages=(0, 2, 3),
-    reshard_data_parallel_only=True,
+    reshard_data_parallel_only=False,
     overlaps=TORCH_OVERLAPS,
     # DDP's reducer all-reduces sparse gradients (nn.Embedding(sparse=True)) as sparse tensors (reducer.cpp: "sparse
     # gradients" buckets of their own; gloo runs sparse all-reduce)
     sparse_grad_zero_stages=(0,),
 )
-"""torch 2.13's own stack under strategy "fleet": DistributedDataParallel at shard level 0, FSDP2 at 2 and 3."""
+"""torch 2.13's own stack under strategy "fleet": DistributedDataParallel at shard level 0, FSDP2 at 2 and 3, DTensor
+tensor parallelism beside either."""
