@@ -185,18 +185,20 @@ def test_the_automatic_plan_never_chooses_a_degree_the_module_cannot_split() -> 
 
 @pytest.mark.multiprocess
 def test_hugging_face_llama_at_tp2_trains_with_two_key_value_heads_and_is_refused_with_one(tmp_path) -> None:
-    """One 2-process job (Lightning's launcher), two fits at tp=2: with 2 key/value heads AutoTP splits every projection
-    and the weights after 3 steps equal a one-process run; with 1 the fit ends in the k_proj line before DeepSpeed."""
+    """One 2-process job (Lightning's launcher), two fits at tp=2 on each runtime (DeepSpeed's AutoTP, DTensor's
+    parallelize_module): with 2 key/value heads every projection splits and the weights after 3 steps equal a
+    one-process run; with 1 the fit ends in the k_proj line before either runtime builds anything."""
     pytest.importorskip("transformers")
     import torch
 
     from tests.multiprocess import run_worker
     from tests.workers.hf_tp import reference_state
 
-    (trained, refused), _ = run_worker(tmp_path, "--kv-heads", "2,1", worker=ROOT / "tests" / "workers" / "hf_tp.py")
+    results, _ = run_worker(tmp_path, "--kv-heads", "2,1", "--runtimes", "deepspeed,torch", worker=ROOT / "tests" / "workers" / "hf_tp.py")
     reference = reference_state(2)
-    for name, tensor in reference.items():
-        torch.testing.assert_close(trained["state"][name], tensor, atol=2e-5, rtol=0, msg=name)
-    assert trained["local_params"] < 0.8 * sum(t.numel() for t in reference.values())  # the projections really split
-    assert refused == ("plan dp=1,tp=2,zero=0,mbs=8,gas=1: tp=2 cannot split model.model.layers.0.self_attn.k_proj: its 1 "
-                       "key/value head is not divisible by tp=2; use tp=1")
+    for runtime, (trained, refused) in zip(("deepspeed", "torch"), (results[:2], results[2:])):
+        for name, tensor in reference.items():
+            torch.testing.assert_close(trained["state"][name], tensor, atol=2e-5, rtol=0, msg=f"{runtime}: {name}")
+        assert trained["local_params"] < 0.8 * sum(t.numel() for t in reference.values())  # the projections really split
+        assert refused == ("plan dp=1,tp=2,zero=0,mbs=8,gas=1: tp=2 cannot split "
+                           "model.model.layers.0.self_attn.k_proj: its 1 key/value head is not divisible by tp=2; use tp=1")

@@ -1,5 +1,5 @@
 """Worker for the tensor-parallel tests: Hugging Face Llama models built from tiny configs, trained with
-strategy 'fleet' at tp=2 on 2 processes (Lightning's launcher), one Trainer.fit per case in the same processes.
+strategy 'fleet' at tp=2 on 2 processes (Lightning's launcher) on each runtime, one Trainer.fit per case in the same processes.
 
     python tests/workers/hf_tp.py --kv-heads 2,1 --out /tmp/r.pt
 
@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 import lightning_fleet  # noqa: E402
 from lightning_fleet.planning import FleetError  # noqa: E402
 from tests.multiprocess import QUIET_TRAINER  # noqa: E402
+from tests.workers.train_gpt import LocalParams  # noqa: E402
 
 VOCAB, SEQ, SAMPLES, BATCH, STEPS, LR = 128, 16, 32, 4, 3, 0.1
 PLAN = "dp=1,tp=2,zero=0,mbs=8,gas=1"
@@ -68,27 +69,29 @@ def reference_state(kv_heads: int) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
 
-def fit(kv_heads: int) -> object:
+def fit(kv_heads: int, runtime: str) -> object:
     seed_everything(0)
     module = Llama(kv_heads)
-    trainer = Trainer(accelerator="cpu", devices=2, strategy=lightning_fleet.FleetStrategy(plan=PLAN, cluster="cpu"),
-                      max_steps=STEPS, **QUIET_TRAINER)
+    counted = LocalParams()
+    strategy = lightning_fleet.FleetStrategy(plan=f"{PLAN},runtime={runtime}", cluster="cpu")
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=STEPS, callbacks=[counted], **QUIET_TRAINER)
     try:
         trainer.fit(module, DataLoader(TensorDataset(token_ids()), batch_size=BATCH))
     except FleetError as err:
         return str(err)
     return {
         "state": {k: v.detach().clone() for k, v in module.state_dict().items()},
-        "local_params": sum(p.numel() for p in trainer.strategy.deepspeed_engine.module.parameters()),
+        "local_params": counted.local,
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--kv-heads", default="2,1", help="','-separated key/value head counts, one fit each")
+    parser.add_argument("--runtimes", default="deepspeed,torch", help="','-separated runtimes, each fits every head count")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    results = [fit(int(kv)) for kv in args.kv_heads.split(",")]
+    results = [fit(int(kv), runtime) for runtime in args.runtimes.split(",") for kv in args.kv_heads.split(",")]
     if torch.distributed.is_initialized() and torch.distributed.get_rank() == 0 or not torch.distributed.is_initialized():
         torch.save(results, args.out)
 
