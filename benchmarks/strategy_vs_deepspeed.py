@@ -90,34 +90,28 @@ def ddp_job(out: Path) -> None:
 
 def torch_job(out: Path) -> None:
     """Rank code: the zero=0 plan by hand: DistributedDataParallel over the module, its own optimizer, a plain loop."""
-    import torch
-    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from examples.gpt.model import GPT, next_byte_loss
-
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    model = GPT(**MODEL)
-    optimizer = model.configure_optimizers()
-    ddp = DistributedDataParallel(model)
-
-    def step(xs, ys):
-        loss = next_byte_loss(ddp(xs), ys)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-
-    _timed_loop(step, out, rank, world)
+    _torch_loop(out, DistributedDataParallel)
 
 
 def fsdp_job(out: Path) -> None:
     """Rank code: the torch zero=2 plan by hand: FSDP2's fully_shard on every block and the root (reshard_after_forward
     False: ZeRO-2), the optimizer over the shards, a plain loop."""
+    from torch.distributed.fsdp import fully_shard
+
+    def shard(model):
+        for block in model.blocks:
+            fully_shard(block, reshard_after_forward=False)
+        return fully_shard(model, reshard_after_forward=False)
+
+    _torch_loop(out, shard)
+
+
+def _torch_loop(out: Path, layout) -> None:
+    """The example GPT laid out by ``layout(model)`` (returns what to call), its own optimizer built after, a plain loop."""
     import torch
     import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
 
     from examples.gpt.model import GPT, next_byte_loss
 
@@ -125,13 +119,11 @@ def fsdp_job(out: Path) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = GPT(**MODEL)
-    for block in model.blocks:
-        fully_shard(block, reshard_after_forward=False)
-    fully_shard(model, reshard_after_forward=False)
+    engine = layout(model)
     optimizer = model.configure_optimizers()
 
     def step(xs, ys):
-        loss = next_byte_loss(model(xs), ys)
+        loss = next_byte_loss(engine(xs), ys)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()

@@ -438,6 +438,7 @@ def _run(argv: Sequence[str] | None) -> int:
     if args.runtime == AUTO:
         return _auto(args, job, fixed)
     runtime = capabilities_of(args.runtime)
+    cluster = cluster.for_runtime(runtime.name)  # its own measured framework overheads, where the cluster file has them
     if args.command == "estimate":
         chosen = parse_plan(args.plan, global_batch_size=model.global_batch_size)
         _refuse_unrunnable(runtime, chosen, job.hooks)
@@ -482,16 +483,17 @@ def _auto(args: argparse.Namespace, job: _Job, fixed: PartialPlan) -> int:
     runs: list[tuple[float, str, Any]] = []
     refusals: list[str] = []
     for runtime in (r.capabilities for r in RUNTIMES):
+        priced_on = cluster.for_runtime(runtime.name)
         try:
             if args.command == "estimate":
                 chosen = parse_plan(args.plan, global_batch_size=model.global_batch_size)
                 _refuse_unrunnable(runtime, chosen, job.hooks)
-                found: Any = estimate(model, cluster, chosen, overlaps=_overlaps(args, runtime))
+                found: Any = estimate(model, priced_on, chosen, overlaps=_overlaps(args, runtime))
             else:
                 constraints = _constraints(args, runtime, job.hooks, fixed)
                 if job.offline is not None and job.offline.profile.batch_dependent is not False:
                     constraints = dataclasses.replace(constraints, search_dp_mbs=False)
-                found = plan(model, cluster, top=args.top, constraints=constraints)
+                found = plan(model, priced_on, top=args.top, constraints=constraints)
         except FleetError as err:
             refusals.append(f"{runtime.name}: {err}")
             continue

@@ -185,6 +185,7 @@ def decide(
         notes.append(runtime_line(capabilities, chosen, tried, (*refused, *runtime_notes)))
         notes.extend(pipeline_note(chosen.plan))
     chosen = replace(chosen, plan=chosen.plan.replace(runtime=capabilities.name))
+    cluster = cluster.for_runtime(capabilities.name)
     return Decision(
         plan=chosen.plan,
         estimate=chosen,
@@ -198,7 +199,9 @@ def decide(
 def _planned(
     module: ModuleFacts, cluster: ClusterSpec, partial: PartialPlan, options: JobOptions, capabilities: Capabilities, resume: Resume
 ) -> tuple[Estimate, PlanResult | None]:
-    """The plan one runtime would train: the fixed plan priced, or the search's best (with its result)."""
+    """The plan one runtime would train: the fixed plan priced, or the search's best (with its result), on the cluster
+    as that runtime runs on it (its measured framework overheads, ``Calibration.for_runtime``)."""
+    cluster = cluster.for_runtime(capabilities.name)
     constraints = _constraints(module, options, capabilities, resume)
     capabilities.check(partial, constraints, module.hooks)
     if partial.complete:  # everything fixed: train it as given (priced, not searched)
@@ -307,6 +310,7 @@ def _continued(
 ) -> Estimate:
     """The checkpoint's plan, if this job may run it and fixes nothing else."""
     assert resume.manifest is not None
+    cluster = cluster.for_runtime(capabilities.name)
     resumed = parse_plan(resume.manifest.plan or "", global_batch_size=module.spec.global_batch_size).replace(runtime=capabilities.name)
     clash = {k: v for k, v in partial.fixed.items() if getattr(resumed, k) != v}
     if clash and set(clash) <= _SPLIT_KEYS:  # the same layout, the batch split another way: the checkpoint loads as is

@@ -623,7 +623,7 @@ class FleetStrategy(DDPStrategy):
         if needed > 0.8 * available:
             if self.is_global_zero:
                 print(
-                    f"lightning_fleet: the module is left as DeepSpeed trained it: handing its {needed / self.num_processes / GIB:.1f} GiB "
+                    f"lightning_fleet: the module is left as {self.backend.capabilities.label} trained it: handing its {needed / self.num_processes / GIB:.1f} GiB "
                     f"of fp32 weights back to {self.num_processes} processes per node needs {needed / GIB:.1f} GiB of host memory, "
                     f"{available / GIB:.1f} GiB is free; export the weights instead (fleet export, README 'Getting the weights out')",
                     flush=True,

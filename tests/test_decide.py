@@ -163,11 +163,37 @@ def test_decision_model_is_the_priced_spec():
 # --- choosing the runtime ---------------------------------------------------------------------------------------------
 
 
-def run_both(module: ModuleFacts, world: int = 8, resume: Resume = Resume(kind=ResumeKind.FRESH), **options: object) -> Decision:
+def run_both(module: ModuleFacts, world: int = 8, resume: Resume = Resume(kind=ResumeKind.FRESH), calibration: dict | None = None,
+             **options: object) -> Decision:
     from lightning_fleet.runtime.torch.capabilities import TORCH
 
-    cluster = make_cluster(devices_per_node=world)
+    cluster = make_cluster(devices_per_node=world, **(calibration or {}))
     return decide(module, cluster, world_size=world, options=JobOptions(**options), runtimes=(TORCH, DEEPSPEED), resume=resume)
+
+
+def test_each_runtime_is_priced_with_its_own_measured_framework_overheads():
+    """Calibration.runtimes (fleet calibrate's per-runtime probe) prices each runtime's plans with its own per-shard-level
+    time: the same fixed plan goes to whichever runtime measured cheaper there, and the estimate carries that runtime's
+    overhead; without entries both are priced alike and the tie goes to the first in the table."""
+    from lightning_fleet.planning import RuntimeOverheads
+
+    def measured(torch_s: float, deepspeed_s: float) -> dict:
+        return {"zero_step_overhead_s": (0.0, 0.0, 0.0, 0.0), "zero_tensor_overhead_s": (0.0, 0.0, 0.0, 0.0), "runtimes": (
+            RuntimeOverheads(runtime="torch", zero_stages=(0, 2, 3), step_overhead_s=(0.0, torch_s, 0.0), tensor_overhead_s=(0.0, 0.0, 0.0)),
+            RuntimeOverheads(runtime="deepspeed", zero_stages=(0, 1, 2, 3), step_overhead_s=(0.0, 0.0, deepspeed_s, 0.0),
+                             tensor_overhead_s=(0.0, 0.0, 0.0, 0.0)))}
+
+    plan = "zero=2,dp=8,mbs=4"
+    alike = run_both(facts(), plan=plan)
+    torch_s, deepspeed_s = (run_both(facts(), plan=f"{plan},runtime={r}").estimate.time.step_s for r in ("torch", "deepspeed"))
+    slow_torch = run_both(facts(), plan=plan, calibration=measured(0.5, 0.1))
+    slow_deepspeed = run_both(facts(), plan=plan, calibration=measured(0.1, 0.5))
+    assert (alike.runtime, slow_torch.runtime, slow_deepspeed.runtime) == ("torch", "deepspeed", "torch")
+    assert slow_torch.estimate.time.step_s == pytest.approx(deepspeed_s + 0.1)
+    assert slow_deepspeed.estimate.time.step_s == pytest.approx(torch_s + 0.1)
+    line = next(line for line in slow_torch.report if line.startswith("  runtime  "))
+    assert line.startswith("  runtime  deepspeed: ") and f"torch {torch_s + 0.5:.4g} s/step" in line
+    assert slow_torch.cluster.calibration.zero_step_overhead_s[2] == 0.1  # the decision keeps the chosen runtime's view
 
 
 def test_the_fastest_executable_runtime_trains_and_the_report_says_by_how_much():

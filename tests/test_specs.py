@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import textwrap
 
 import pytest
@@ -223,3 +224,33 @@ def test_bad_trainable_counts_are_one_line_errors(where, value, message):
     with pytest.raises(SpecError) as err:
         model_from_dict(model)
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_runtimes_measured_overheads_replace_the_defaults_at_its_shard_levels_and_round_trip():
+    """calibration.runtimes: each runtime's own per-shard-level framework time, read from YAML, written back the same,
+    scaled with a slower host like the other framework constants, and refused in one line when malformed."""
+    from lightning_fleet.planning import RuntimeOverheads, SpecError, cluster_from_dict, load_cluster
+
+    data = load_cluster("cpu").to_dict()
+    data["calibration"] = {**data.get("calibration", {}), "zero_step_overhead_s": [0.001, 0.002, 0.003, 0.004],
+                           "zero_tensor_overhead_s": [0, 1e-6, 2e-6, 3e-6],
+                           "runtimes": [{"runtime": "torch", "zero_stages": [0, 2, 3], "step_overhead_s": [0.0, 0.02, 0.03],
+                                         "tensor_overhead_s": [0, 5e-6, 7e-6]}]}
+    cluster = cluster_from_dict(data)
+    assert cluster_from_dict(cluster.to_dict()) == cluster
+    torch_view = cluster.for_runtime("torch").calibration
+    assert torch_view.zero_step_overhead_s == (0.0, 0.002, 0.02, 0.03)  # zero=1, which torch does not run, keeps the default
+    assert torch_view.zero_tensor_overhead_s == (0, 1e-6, 5e-6, 7e-6)
+    assert cluster.for_runtime("deepspeed") is cluster  # no entry: the defaults
+    slow = dataclasses.replace(cluster.groups[0].device, host_slowdown=2.0)
+    assert cluster.calibration.on(slow).runtimes[0].step_overhead_s == (0.0, 0.04, 0.06)
+    for bad, says in (
+        ({"zero_stages": [0, 2], "step_overhead_s": [0.0, 0.02, 0.03], "tensor_overhead_s": [0, 0]}, "must be 2 non-negative"),
+        ({"zero_stages": [0, 5], "step_overhead_s": [0, 0], "tensor_overhead_s": [0, 0]}, "distinct shard levels 0-3"),
+    ):
+        broken = {**data, "calibration": {**data["calibration"], "runtimes": [{"runtime": "torch", **bad}]}}
+        with pytest.raises(SpecError, match=says):
+            cluster_from_dict(broken)
+    twice = [RuntimeOverheads(runtime="torch", zero_stages=(0,), step_overhead_s=(0.0,), tensor_overhead_s=(0.0,))] * 2
+    with pytest.raises(SpecError, match="names a runtime twice"):
+        dataclasses.replace(cluster.calibration, runtimes=tuple(twice))

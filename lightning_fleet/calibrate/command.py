@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m lightning_fleet.calibrate.command")
     parser.add_argument("--out", required=True)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--no-framework", action="store_true", help="skip the framework probe (Lightning + DeepSpeed)")
+    parser.add_argument("--no-framework", action="store_true", help="skip the framework probe (Lightning + each runtime)")
     args = parser.parse_args(argv)
     with quiet_output():  # DeepSpeed's accelerator warning on import, gloo's messages on init
         import lightning.pytorch  # noqa: F401  (a training process has these loaded: the memory baseline must include them)
@@ -67,9 +67,11 @@ def summary(measured: Measurement, cluster: ClusterSpec, out: str, seconds: floa
     c = cluster.calibration
     peaks = ", ".join(_peak_text(fit) for fit in measured.matmul)
     link = _link_text(cluster.intra_node) if cluster.world_size > 1 else "one process: no collective to measure"
+    probed = "; ".join(f"{r.runtime} at zero {', '.join(map(str, r.zero_stages))}: +{max(r.step_overhead_s) * 1e3:.3g} ms per "
+                       "step at most" for r in c.runtimes) or "ZeRO 0-3"
     probe = (
         f"{c.step_overhead_s * 1e3:.3g} ms per step, {c.microbatch_overhead_s * 1e3:.3g} ms per micro-batch "
-        f"(a probe trained through FleetStrategy at ZeRO 0-3)" if framework else "not measured (--no-framework)"
+        f"(a probe trained through FleetStrategy on each runtime: {probed})" if framework else "not measured (--no-framework)"
     )
     host = f", host {cluster.host.memory_gib:g} GiB (copies {cluster.host.pcie_GBps:g} GB/s)" if cluster.host is not None else ""
     return [

@@ -1,9 +1,10 @@
 """The training probe: the framework's own time per step and per micro-batch, measured through FleetStrategy.
 
-A tiny model (``PROBE_LAYERS`` Linear(16, 16)) is trained through Lightning, FleetStrategy and
-DeepSpeed at every ZeRO stage, with and without gradient accumulation and offload; what the cost
-model already prices for it is taken off each measured step, and the rest becomes the cluster's
-framework constants (:func:`with_framework_overheads`). :func:`quiet_output` keeps those runs'
+A tiny model (``PROBE_LAYERS`` Linear(16, 16)) is trained through Lightning, FleetStrategy and each
+installed runtime at every shard level it runs, with and without gradient accumulation (and, where
+the runtime offloads, with offload); what the cost model already prices for it is taken off each
+measured step, and the rest becomes the cluster's framework constants, each runtime's own per
+shard level (:func:`with_framework_overheads`, ``Calibration.runtimes``). :func:`quiet_output` keeps those runs'
 messages off the terminal.
 
 Above the strategy: it imports :class:`lightning_fleet.strategy.FleetStrategy` (inside the probe,
@@ -28,15 +29,18 @@ import torch
 import torch.distributed as dist
 
 from lightning_fleet.calibrate.measure import across_ranks
-from lightning_fleet.planning import ClusterSpec
+from lightning_fleet.planning import ClusterSpec, RuntimeOverheads
+from lightning_fleet.runtime.base import Capabilities
 
 PROBE_LAYERS = 16
 """Linear layers of the framework probe (width 16: its compute is negligible)."""
 
 
-def probe_plan(world: int, zero: int, gas: int, offload: str = "none") -> str:
-    """The probe's plan, every axis fixed (a partial plan would let the planner choose, e.g., recomputation)."""
-    return f"dp={world},tp=1,pp=1,zero={zero},mbs=1,gas={gas},recompute=none,sp=false,vpp=1,offload={offload}"
+def probe_plan(world: int, zero: int, gas: int, offload: str = "none", runtime: str | None = None) -> str:
+    """The probe's plan, every axis fixed (a partial plan would let the planner choose, e.g., recomputation), on
+    ``runtime`` when given."""
+    text = f"dp={world},tp=1,pp=1,zero={zero},mbs=1,gas={gas},recompute=none,sp=false,vpp=1,offload={offload}"
+    return text if runtime is None else f"{text},runtime={runtime}"
 
 
 @contextlib.contextmanager
@@ -72,33 +76,44 @@ def quiet_output(tail_bytes: int = 20000) -> Iterator[None]:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class FrameworkOverheads:
-    """Seconds the framework itself (Lightning's loop, FleetStrategy, DeepSpeed's engine) adds, per ZeRO stage 0-3."""
+    """Seconds the framework itself (Lightning's loop, FleetStrategy, the runtime's engine) adds on one runtime, per
+    shard level it runs."""
 
+    runtime: str
+    """The runtime the probe trained through."""
+    zero_stages: tuple[int, ...]
+    """The shard levels measured (the runtime's own), in order."""
     step_s: tuple[float, ...]
-    """Per optimizer step (optimizer launch, boundary bookkeeping, callbacks)."""
+    """Per optimizer step (optimizer launch, boundary bookkeeping, callbacks), at each of ``zero_stages``."""
     microbatch_s: tuple[float, ...]
-    """Per micro-batch beyond its operators' dispatch (engine forward/backward wrappers, ZeRO hooks), for the probe."""
+    """Per micro-batch beyond its operators' dispatch (engine forward/backward wrappers, ZeRO / FSDP hooks), for the
+    probe, at each of ``zero_stages``."""
     probe_tensors: int
-    """Parameter tensors of the probe (ZeRO's extra per-micro-batch time is taken to scale with them)."""
-    offload_microbatch_s: tuple[float, float]
-    """Extra per micro-batch of optimizer offload (ZeRO-2) and of optimizer + parameter offload (ZeRO-3), for the probe."""
+    """Parameter tensors of the probe (the extra per-micro-batch time is taken to scale with them)."""
+    offload_microbatch_s: tuple[float, float] | None
+    """Extra per micro-batch of optimizer offload (ZeRO-2) and of optimizer + parameter offload (ZeRO-3), for the
+    probe; None where the runtime offloads nothing."""
 
 
-def framework_overheads(cluster: ClusterSpec, *, steps: int = 8, warmup: int = 2, accumulation: int = 4) -> FrameworkOverheads:
-    """Train a probe model (``PROBE_LAYERS`` Linear(16, 16)) through FleetStrategy at every ZeRO stage with 1 and with
-    ``accumulation`` micro-batches per step. What the cost model already prices for the probe on ``cluster`` (its
-    compute, operator dispatch, collectives, optimizer step, offload transfers: the estimate with no framework
-    constants) is taken off each measured step; of the rest, the growth per micro-batch is the micro-batch overhead
-    and the remainder the step overhead. Every rank of the live process group must call this together.
+def framework_overheads(cluster: ClusterSpec, *, steps: int = 8, warmup: int = 2, accumulation: int = 4) -> tuple[FrameworkOverheads, ...]:
+    """Train a probe model (``PROBE_LAYERS`` Linear(16, 16)) through FleetStrategy on each installed runtime (the
+    runtime table's order) at every shard level it runs, with 1 and with ``accumulation`` micro-batches per step. What
+    the cost model already prices for the probe on ``cluster`` (its compute, operator dispatch, collectives, optimizer
+    step, offload transfers: the estimate with no framework constants) is taken off each measured step; of the rest,
+    the growth per micro-batch is the micro-batch overhead and the remainder the step overhead. Every rank of the live
+    process group must call this together.
 
-    What the probe's runs print (Lightning's and DeepSpeed's messages, the plan tables, warnings) is kept out of
+    What the probe's runs print (Lightning's and the runtimes' messages, the plan tables, warnings) is kept out of
     the terminal while it runs (:func:`quiet_output`), and shown only if the probe fails."""
+    from lightning_fleet.runtime import RUNTIMES
+
     with quiet_output():
-        return _probe_overheads(cluster, steps=steps, warmup=warmup, accumulation=accumulation)
+        return tuple(_probe_overheads(cluster, runtime.capabilities, steps=steps, warmup=warmup, accumulation=accumulation)
+                     for runtime in RUNTIMES if runtime.installed())
 
 
-def _probe_overheads(cluster: ClusterSpec, *, steps: int, warmup: int, accumulation: int) -> FrameworkOverheads:
-    """:func:`framework_overheads`, unquieted."""
+def _probe_overheads(cluster: ClusterSpec, runtime: Capabilities, *, steps: int, warmup: int, accumulation: int) -> FrameworkOverheads:
+    """:func:`framework_overheads` of one runtime, unquieted."""
     from lightning.pytorch import LightningModule, Trainer
     from lightning.pytorch.callbacks import Callback
 
@@ -132,7 +147,7 @@ def _probe_overheads(cluster: ClusterSpec, *, steps: int, warmup: int, accumulat
 
     def median_step(zero: int, gas: int, offload: str = "none") -> float:
         clock = Clock()
-        plan = probe_plan(world, zero, gas, offload)
+        plan = probe_plan(world, zero, gas, offload, runtime.name)
         trainer = Trainer(accelerator=accelerator, devices=1, strategy=FleetStrategy(plan=plan, cluster=cluster, global_batch_size=world * gas),
                           max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                           num_sanity_val_steps=0, limit_val_batches=0, callbacks=[clock])
@@ -151,36 +166,53 @@ def _probe_overheads(cluster: ClusterSpec, *, steps: int, warmup: int, accumulat
     def excess(zero: int, gas: int, offload: str = "none") -> float:
         """Measured step time of the probe beyond what the model prices without framework constants."""
         batch = world * gas
-        plan = parse_plan(probe_plan(world, zero, gas, offload), global_batch_size=batch)
-        priced = estimate(dataclasses.replace(spec, global_batch_size=batch), unpriced, plan).time.step_s
+        plan = parse_plan(probe_plan(world, zero, gas, offload, runtime.name), global_batch_size=batch)
+        priced = estimate(dataclasses.replace(spec, global_batch_size=batch), unpriced, plan, overlaps=runtime.overlaps).time.step_s
         return median_step(zero, gas, offload) - priced
 
-    step, micro, many = [], [], []
-    for zero in range(4):
+    step, micro, many = [], [], {}
+    for zero in runtime.zero_stages:
         one = excess(zero, 1)
-        many.append(excess(zero, accumulation))
+        many[zero] = excess(zero, accumulation)
         per_micro = max((many[zero] - one) / (accumulation - 1), 0.0)
         micro.append(per_micro)
         step.append(max(one - per_micro, 0.0))
-    # offload: the extra unpriced time of the probe (host copies and bookkeeping per parameter tensor), per micro-batch,
-    # against the same stage without offload
-    offloaded = (excess(2, accumulation, "optimizer") - many[2]) / accumulation
-    params = (excess(3, accumulation, "optimizer+params") - many[3]) / accumulation
-    return FrameworkOverheads(step_s=tuple(step), microbatch_s=tuple(micro), probe_tensors=2 * PROBE_LAYERS,
-                              offload_microbatch_s=(max(offloaded, 0.0), max(params, 0.0)))
+    offloads = None
+    if runtime.offload and {2, 3} <= set(runtime.zero_stages):
+        # the extra unpriced time of the probe (host copies and bookkeeping per parameter tensor), per micro-batch,
+        # against the same stage without offload
+        offloaded = (excess(2, accumulation, "optimizer") - many[2]) / accumulation
+        params = (excess(3, accumulation, "optimizer+params") - many[3]) / accumulation
+        offloads = (max(offloaded, 0.0), max(params, 0.0))
+    return FrameworkOverheads(runtime=runtime.name, zero_stages=runtime.zero_stages, step_s=tuple(step), microbatch_s=tuple(micro),
+                              probe_tensors=2 * PROBE_LAYERS, offload_microbatch_s=offloads)
 
 
 def with_framework_overheads(cluster: ClusterSpec) -> ClusterSpec:
-    """The cluster with its per-step and per-micro-batch framework time measured on the probe (all ranks together)."""
+    """The cluster with its per-step and per-micro-batch framework time measured on the probe (all ranks together): the
+    least zero-0 time of the runtimes as the base, each runtime's extra per shard level in ``calibration.runtimes``, and
+    as the default for a runtime without an entry the extras of the runtime measured at every shard level (DeepSpeed)."""
     measured = framework_overheads(cluster)
-    base_step, base_micro = measured.step_s[0], measured.microbatch_s[0]
+    base_step = min(m.step_s[m.zero_stages.index(0)] for m in measured)
+    base_micro = min(m.microbatch_s[m.zero_stages.index(0)] for m in measured)
+
+    def steps(m: FrameworkOverheads) -> tuple[float, ...]:
+        return tuple(float(f"{max(v - base_step, 0.0):.3g}") for v in m.step_s)
+
+    def tensors(m: FrameworkOverheads) -> tuple[float, ...]:  # the extra per micro-batch comes from per-parameter hooks
+        return tuple(float(f"{max(v - base_micro, 0.0) / m.probe_tensors:.3g}") for v in m.microbatch_s)
+
+    every = next((m for m in measured if m.zero_stages == (0, 1, 2, 3)), None)
+    offloading = next((m for m in measured if m.offload_microbatch_s is not None), None)
     calibration = dataclasses.replace(
         cluster.calibration,
         step_overhead_s=float(f"{base_step:.3g}"),
         microbatch_overhead_s=float(f"{base_micro:.3g}"),
-        zero_step_overhead_s=tuple(float(f"{max(v - base_step, 0.0):.3g}") for v in measured.step_s),
-        # ZeRO's extra time per micro-batch comes from per-parameter hooks: per tensor of the probe
-        zero_tensor_overhead_s=tuple(float(f"{max(v - base_micro, 0.0) / measured.probe_tensors:.3g}") for v in measured.microbatch_s),
-        offload_tensor_overhead_s=tuple(float(f"{v / measured.probe_tensors:.3g}") for v in measured.offload_microbatch_s),
+        zero_step_overhead_s=steps(every) if every else (),
+        zero_tensor_overhead_s=tensors(every) if every else (),
+        offload_tensor_overhead_s=tuple(float(f"{v / offloading.probe_tensors:.3g}") for v in offloading.offload_microbatch_s)
+        if offloading and offloading.offload_microbatch_s else (),
+        runtimes=tuple(RuntimeOverheads(runtime=m.runtime, zero_stages=m.zero_stages, step_overhead_s=steps(m),
+                                        tensor_overhead_s=tensors(m)) for m in measured),
     )
     return cluster.with_calibration(calibration)

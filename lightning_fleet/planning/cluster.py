@@ -290,6 +290,31 @@ class HostSpec:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class RuntimeOverheads:
+    """One runtime's own framework time per shard level, as `fleet calibrate` measured it by training its probe through
+    that runtime: an input to the cost model like the runtime's overlaps (:meth:`Calibration.for_runtime`)."""
+
+    runtime: str
+    """The runtime's name in the runtime table (``torch``, ``deepspeed``)."""
+    zero_stages: tuple[int, ...]
+    """The shard levels measured (those the runtime runs)."""
+    step_overhead_s: tuple[float, ...]
+    """Extra seconds per optimizer step at each of ``zero_stages`` (beyond ``Calibration.step_overhead_s``)."""
+    tensor_overhead_s: tuple[float, ...]
+    """Extra seconds per micro-batch and parameter tensor at each of ``zero_stages``."""
+
+    def __post_init__(self) -> None:
+        count = len(self.zero_stages)
+        if not count or len(set(self.zero_stages)) != count or any(z not in range(4) for z in self.zero_stages):
+            raise SpecError(f"calibration.runtimes: {self.runtime}'s zero_stages must be distinct shard levels 0-3, got {list(self.zero_stages)}")
+        for name in ("step_overhead_s", "tensor_overhead_s"):
+            values = getattr(self, name)
+            if len(values) != count or any(not v >= 0 for v in values):
+                raise SpecError(f"calibration.runtimes: {self.runtime}'s {name} must be {count} non-negative seconds "
+                                f"(one per zero_stages entry), got {list(values)}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Calibration:
     """The cost model's free constants. Defaults are stated assumptions; `fleet calibrate` fits them.
 
@@ -339,6 +364,20 @@ class Calibration:
     """Fraction of device memory kept free for allocator fragmentation."""
     memory_reserve_gib: float = 1.0
     """Fixed device memory taken by the runtime (CUDA context, communicator buffers), in GiB."""
+    runtimes: tuple[RuntimeOverheads, ...] = ()
+    """Each measured runtime's own per-shard-level framework time, which replaces ``zero_step_overhead_s`` and
+    ``zero_tensor_overhead_s`` at those levels when that runtime's plans are priced (:meth:`for_runtime`)."""
+
+    def for_runtime(self, name: str) -> "Calibration":
+        """The constants as the runtime called ``name`` runs them: its measured per-shard-level overheads in place of the
+        default ones (itself when it has none)."""
+        entry = next((r for r in self.runtimes if r.runtime == name), None)
+        if entry is None:
+            return self
+        step, tensor = list(self.zero_step_overhead_s or (0.0,) * 4), list(self.zero_tensor_overhead_s or (0.0,) * 4)
+        for zero, step_s, tensor_s in zip(entry.zero_stages, entry.step_overhead_s, entry.tensor_overhead_s):
+            step[zero], tensor[zero] = step_s, tensor_s
+        return dataclasses.replace(self, zero_step_overhead_s=tuple(step), zero_tensor_overhead_s=tuple(tensor))
 
     def step_overhead(self, zero: int) -> float:
         """Framework seconds per optimizer step at this ZeRO stage."""
@@ -366,6 +405,8 @@ class Calibration:
             zero_step_overhead_s=tuple(v * host for v in self.zero_step_overhead_s),
             zero_tensor_overhead_s=tuple(v * host for v in self.zero_tensor_overhead_s),
             offload_tensor_overhead_s=tuple(v * host for v in self.offload_tensor_overhead_s),
+            runtimes=tuple(dataclasses.replace(r, step_overhead_s=tuple(v * host for v in r.step_overhead_s),
+                                               tensor_overhead_s=tuple(v * host for v in r.tensor_overhead_s)) for r in self.runtimes),
             cpu_adam_params_per_s=self.cpu_adam_params_per_s / host,
             elementwise_s=None if self.elementwise_s is None else self.elementwise_s * work,
             adam_params_per_s=self.adam_params_per_s / work,
@@ -398,6 +439,9 @@ class Calibration:
         for name in ("matmul_efficiency", "overlap", "memory_reserve_fraction"):
             if getattr(self, name) > 1:
                 raise SpecError(f"calibration.{name} is a fraction and must be <= 1, got {getattr(self, name)}")
+        names = [r.runtime for r in self.runtimes]
+        if len(set(names)) != len(names):
+            raise SpecError(f"calibration.runtimes names a runtime twice: {names}; keep one entry per runtime")
         if self.attention_efficiency > ATTENTION_EFFICIENCY_MAX:
             raise SpecError(
                 f"calibration.attention_efficiency is a fused attention kernel's rate over the GEMMs' and must be <= "
@@ -582,6 +626,11 @@ class ClusterSpec:
             what = f"{len(self.groups)} device groups" if len(self.groups) != 1 else "a device measured per rank"
             raise SpecError(f"cluster {self.name!r} has {what}; only a homogeneous cluster can be resized by node count")
         return dataclasses.replace(self, groups=(dataclasses.replace(self.groups[0], nodes=nodes),))
+
+    def for_runtime(self, name: str) -> "ClusterSpec":
+        """The cluster as the runtime called ``name`` runs on it (:meth:`Calibration.for_runtime`)."""
+        calibration = self.calibration.for_runtime(name)
+        return self if calibration is self.calibration else self.with_calibration(calibration)
 
     def with_calibration(self, calibration: Calibration) -> "ClusterSpec":
         """A copy with other cost-model constants."""
