@@ -171,6 +171,8 @@ def decide(
     if not runtimes:
         raise FleetError("no runtime may train this job: " + "; ".join(runtime_notes))
     partial, notes = fixed_axes(module, options)
+    if partial.zero is not None and partial.zero not in options.zero_stages:  # the job's own contradiction, whatever the runtime
+        raise FleetError(f"plan {partial}: zero={partial.zero} is outside zero_stages={tuple(options.zero_stages)}")
     notes = [*cluster_notes, *notes]
     if resume.kind is ResumeKind.CONTINUE:
         capabilities = checkpoint_runtime(resume, runtimes)

@@ -87,7 +87,7 @@ class FleetStrategy(DDPStrategy):
     Args:
         runtime: what executes the plan: ``"auto"`` (the default: the planner prices each installed runtime's best plan
             and trains the fastest; a tie goes to the first in :data:`lightning_fleet.runtime.RUNTIMES`), ``"torch"``
-            (torch's own DistributedDataParallel) or ``"deepspeed"``.
+            (torch's own stack: DistributedDataParallel, FSDP2, DTensor tensor parallelism) or ``"deepspeed"``.
         plan: fix axes of the layout, e.g. ``"zero=3"`` or ``"dp=2,zero=3,mbs=4"``: the keys given are fixed, the planner
             chooses the rest (validated against the world, the module and the runtime); None: plan everything.
         global_batch_size: samples per optimizer step; None: the training DataLoader's batch size
@@ -527,7 +527,7 @@ class FleetStrategy(DDPStrategy):
             device_rank=self.local_rank if self.root_device.index is None else self.root_device.index,
             layers=list(stack) if stack is not None else None,
         )
-        self._fit.engine = engine
+        self._fit.engine, self._fit.handed_back = engine, False
         return engine, optimizer
 
     def _on_rank_zero(self, fn):  # type: ignore[no-untyped-def]
@@ -608,7 +608,8 @@ class FleetStrategy(DDPStrategy):
         return self.backend.gradient_check(plan)
 
     def _engine_in_use(self) -> bool:
-        return self._fit.engine is not None and self.model is self._fit.engine
+        """Whether the runtime's engine trains or evaluates now (not after the module was handed back)."""
+        return self._fit.engine is not None and self.model is self._fit.engine and not self._fit.handed_back
 
     def on_train_end(self) -> None:
         """Hand the user's module back, as a plain module in its original structure holding the trained weights on every
@@ -630,6 +631,7 @@ class FleetStrategy(DDPStrategy):
                 )
             return
         self.backend.hand_back(self, record)
+        self._fit.handed_back = True
 
     def _use_evaluation_precision(self) -> None:
         """Without an engine, mixed precision is autocast (DeepSpeed casts the module itself during fit)."""
@@ -993,6 +995,7 @@ class _FitState:
         self.data: TrainingData | None = None  # the user's training data, as the strategy re-batches it
         self.universal: VerifiedCheckpoint | None = None  # the decided checkpoint listing its resharded form (rank 0 converted it)
         self.engine: Any = None  # the runtime's engine of the last fit (kept for saving after evaluation)
+        self.handed_back = False  # the end of that fit handed the user's module back (the engine no longer runs it)
         self.module_record: Any = None  # what the backend's hand_back restores at the end of fit
         self.runtime_config: Any = None  # the runtime's configuration of the decided plan (Backend.config)
         self.restorers: list[Any] = []  # how to undo this fit's module patches

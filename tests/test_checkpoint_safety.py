@@ -477,7 +477,7 @@ def _fit_in_process(tmp_path, *, steps: int, callbacks=(), keep: int = 1, plan: 
 @pytest.mark.usefixtures("restore_environment")
 def test_skip_holds_under_zero2_even_where_the_gradients_are_finite(tmp_path):
     """A NaN loss whose gradients are finite: DeepSpeed's overflow check alone would apply the step; skip does not."""
-    trainer, module, data = _fit_in_process(tmp_path, steps=6, keep=9, plan="dp=1,zero=2", non_finite="skip")
+    trainer, module, data = _fit_in_process(tmp_path, steps=6, keep=9, plan="dp=1,zero=2,runtime=deepspeed", non_finite="skip")
     module.detached_nan_at = 4
     trainer.fit(module, data)
     weights = {}

@@ -1,7 +1,7 @@
 """Tier 3: validate, test and predict under every plan kind equal one plain process (real gloo, real DeepSpeed, 2 processes).
 
-The example GPT is trained for 4 steps under data parallel ZeRO-3, tensor parallel (AutoTP) and pipeline parallel
-plans; then the same Trainer validates, tests and predicts, and a fresh Trainer and a fresh module do the same from
+The example GPT is trained for 4 steps under data parallel shard level 3, tensor parallel (DTensor and AutoTP) and
+pipeline parallel plans; then the same Trainer validates, tests and predicts, and a fresh Trainer and a fresh module do the same from
 the checkpoint the fit saved. Every metric must equal the single-process reference model's on the whole
 validation set (the ranks of a tp or pp group see the same samples; the data-parallel replicas split them), the
 predictions of rank 0 must be the reference's for its samples, and after evaluation the user's module is a plain
@@ -23,7 +23,8 @@ pytestmark = pytest.mark.multiprocess
 
 WORKER = ROOT / "tests" / "workers" / "eval_gpt.py"
 STEPS, GBS = 4, 8
-PLANS = ["dp=2,zero=3", "dp=1,tp=2,zero=0", "dp=1,pp=2,zero=1"]
+PLANS = ["dp=2,zero=3", "dp=1,tp=2,zero=0", "dp=1,tp=2,zero=0,runtime=deepspeed", "dp=1,pp=2,zero=1"]
+"""The planner's runtime for shard level 3 and tp (torch: FSDP2, DTensor), DeepSpeed's AutoTP, DeepSpeed's pipeline."""
 PLAN_ARG = ";".join(PLANS)
 
 

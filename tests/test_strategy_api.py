@@ -148,7 +148,8 @@ def test_bad_global_batch_size():
 
 @pytest.mark.unit
 def test_tensor_parallel_checkpoint_at_another_world_is_refused(tmp_path):
-    """Resharding covers data-parallel checkpoints (ZeRO 0-3); a verified tp=2 one resumed on 1 process: one clear line."""
+    """DeepSpeed's resharding covers data-parallel checkpoints (ZeRO 0-3); a verified tp=2 one of DeepSpeed's (a plan
+    naming no runtime was written by DeepSpeed) resumed on 1 process: one clear line."""
     from lightning_fleet.elastic.checkpoint import file_table
     from lightning_fleet.elastic.layout import LATEST, MANIFEST, Manifest, state_dir
 
@@ -161,7 +162,7 @@ def test_tensor_parallel_checkpoint_at_another_world_is_refused(tmp_path):
     (tmp_path / "ckpt" / LATEST).write_text(step.name)
     with pytest.raises(FleetError) as err:
         fit(lightning_fleet.FleetStrategy(checkpoint_dir=str(tmp_path / "ckpt")))
-    assert "resharding to 1 processes needs a data-parallel checkpoint (tp=1, pp=1): relaunch with 2 processes" in one_line(err)
+    assert "resharding DeepSpeed's checkpoints to 1 processes needs a data-parallel one (tp=1, pp=1): relaunch with 2 processes" in one_line(err)
 
 
 class Manual(NoHooks):
@@ -278,14 +279,15 @@ def test_reloading_dataloaders_is_refused_in_one_line():
 
 @pytest.mark.unit
 def test_the_module_is_handed_back_plain_unless_asked_not_to():
-    """ZeRO-3 partitions the module's parameters; at the end of fit they are ordinary tensors again (hand_back=True)."""
+    """DeepSpeed's ZeRO-3 partitions the module's parameters; at the end of fit they are ordinary tensors again
+    (hand_back=True)."""
     module = GPT(num_layers=2, hidden_size=32, num_heads=4, seq_length=32)
     linear = torch.nn.functional.linear
-    fit(lightning_fleet.FleetStrategy(plan="zero=3", global_batch_size=4), module)
+    fit(lightning_fleet.FleetStrategy(plan="zero=3,runtime=deepspeed", global_batch_size=4), module)
     assert not any(hasattr(p, "ds_id") for p in module.parameters()) and all(p.numel() > 0 for p in module.parameters())
     assert torch.nn.functional.linear is linear  # ZeRO-3 swaps it for the whole process; put back at teardown
     kept = GPT(num_layers=2, hidden_size=32, num_heads=4, seq_length=32)
-    fit(lightning_fleet.FleetStrategy(plan="zero=3", global_batch_size=4, hand_back=False), kept)
+    fit(lightning_fleet.FleetStrategy(plan="zero=3,runtime=deepspeed", global_batch_size=4, hand_back=False), kept)
     assert all(hasattr(p, "ds_id") for p in kept.parameters())
 
 

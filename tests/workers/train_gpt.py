@@ -79,10 +79,10 @@ def main() -> None:
             accelerator="cpu",
             devices=args.devices,
             strategy=strategy,
-            callbacks=[counted],
+            callbacks=[counted, *QUIET_TRAINER.get("callbacks", [])],  # a wrapping worker may add its own
             precision=args.precision,
             max_steps=args.steps,
-            **QUIET_TRAINER,
+            **{key: value for key, value in QUIET_TRAINER.items() if key != "callbacks"},
             limit_val_batches=0,
             num_sanity_val_steps=0,
         )
