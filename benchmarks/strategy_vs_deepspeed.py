@@ -8,8 +8,8 @@ runtime against the same config written by hand in a bare DeepSpeed loop. torch:
 on the torch runtime against a bare DistributedDataParallel loop and against ``Trainer(strategy="ddp")`` (the preset a
 Lightning user picks for that layout); torch-fsdp: FleetStrategy with a zero=2 plan fixed on the torch runtime (FSDP2)
 against FSDP2's fully_shard applied by hand in a plain loop (its fleet row, beside DeepSpeed's, is the same layout on
-either runtime). Each times every optimizer step; the report compares the median of the steps
-after a warm-up over alternating rounds, and gives FleetStrategy's start-up overhead (profiling, cluster, planning)
+either runtime). Each times every optimizer step; the report compares the median (and the lower quartile) of
+the steps after a warm-up over alternating rounds, each rank pinned to its own core, and gives FleetStrategy's start-up overhead (profiling, cluster, planning)
 separately.
 """
 
@@ -182,6 +182,18 @@ def _timed_loop(step, out: Path, rank: int, world: int) -> None:
         out.write_text(json.dumps({"step_s": [b - a for a, b in zip(times, times[1:])][WARMUP:]}))
 
 
+def _spread(each_round: list[list[float]]) -> tuple[float, float, list[float]]:
+    """(median of every step, its lower quartile, each round's median)."""
+    every = sorted(s for steps in each_round for s in steps)
+    return statistics.median(every), every[len(every) // 4], [statistics.median(steps) for steps in each_round]
+
+
+def _pin() -> None:
+    """This rank on its own core (LOCAL_RANK), as every job of the benchmark alike: no migrations between the two."""
+    if hasattr(os, "sched_setaffinity") and "LOCAL_RANK" in os.environ:
+        os.sched_setaffinity(0, {int(os.environ["LOCAL_RANK"]) % (os.cpu_count() or 1)})
+
+
 def launch(role: str, out: Path) -> dict:
     """One job of ``role`` (fleet-<table>, deepspeed, torch, fsdp, ddp) under torchrun; its JSON record."""
     with socket.socket() as s:
@@ -200,43 +212,45 @@ TABLES = {  # table (a key of PLANS) -> (the bare jobs it is held against, first
     "torch": (("torch", "bare DistributedDataParallel loop (by hand)"), ("ddp", 'Trainer(strategy="ddp")')),
     "torch-fsdp": (("fsdp", "bare FSDP2 loop (fully_shard by hand)"),),
 }
-ROUNDS = 3
+ROUNDS = 4
 
 
 def main() -> None:
     work = ROOT / "out" / "bench"
     work.mkdir(parents=True, exist_ok=True)
-    steps: dict[str, list[float]] = {}
+    rounds: dict[str, list[list[float]]] = {}  # role -> each round's step times
     fleet: dict[str, list[dict]] = {}
     for i in range(ROUNDS):  # alternate every job within a round, so that drift on this shared box hits all of them
         for table, bare in TABLES.items():
             for role, _ in bare:
-                steps.setdefault(role, []).extend(launch(role, work / f"{role}{i}.json")["step_s"])
+                rounds.setdefault(role, []).append(launch(role, work / f"{role}{i}.json")["step_s"])
             record = launch(f"fleet-{table}", work / f"fleet-{table}{i}.json")
             fleet.setdefault(table, []).append(record)
+            rounds.setdefault(f"fleet-{table}", []).append(record["step_s"])
     text = f"""# FleetStrategy vs the same layout on each bare runtime
 
 Command: `.venv/bin/python benchmarks/strategy_vs_deepspeed.py`
 Machine: {platform.machine()}, {os.cpu_count()} cores, 2 processes under torchrun (gloo), OMP_NUM_THREADS=1, {time.strftime('%Y-%m-%d')}.
 Workload: example GPT (4 layers, hidden 128, seq 128, 0.88 M params), global batch {GBS}, {STEPS} steps, the first
-{WARMUP} dropped, {ROUNDS} rounds in which every job below runs once, in the order listed (alternating).
+{WARMUP} dropped, {ROUNDS} rounds in which every job below runs once, in the order listed (alternating); each rank
+pinned to its own core. This box is shared: a job's steps drift by up to 1.5x within a run as other work comes and
+goes, so each row gives the median of every step, its lower quartile (the quieter steps) and each round's median.
 """
     for table, bare in TABLES.items():
         runs = fleet[table]
-        flat = statistics.median(s for record in runs for s in record["step_s"])
         startup = {k: statistics.median(r["startup"][k] for r in runs) for k in runs[-1]["startup"]}
-        rows = [(label, statistics.median(steps[role])) for role, label in bare]
+        rows = [(label, *_spread(rounds[role])) for role, label in (*bare, (f"fleet-{table}", "Trainer(strategy=FleetStrategy(plan=...))"))]
+        (label, med, low, _), (_, fleet_med, fleet_low, _) = rows[0], rows[-1]
         text += f"""
 ## {table}
 
 Plan `{runs[-1]['plan']}`.
 
-| job | median step s | steps/s | samples/s |
-|---|---|---|---|
-""" + "".join(f"| {label} | {med:.4f} | {1 / med:.2f} | {GBS / med:.1f} |\n" for label, med in rows) + f"""| Trainer(strategy=FleetStrategy(plan=...)) | {flat:.4f} | {1 / flat:.2f} | {GBS / flat:.1f} |
-
-**Throughput ratio FleetStrategy / {rows[0][0]}: {rows[0][1] / flat:.3f}** (goal >= 0.98).""" + "".join(
-            f" FleetStrategy / {label}: {med / flat:.3f}." for label, med in rows[1:]) + f"""
+| job | median step s | lower quartile s | round medians s | samples/s (median) |
+|---|---|---|---|---|
+""" + "".join(f"| {name} | {m:.4f} | {q:.4f} | {', '.join(f'{r:.3f}' for r in each)} | {GBS / m:.1f} |\n" for name, m, q, each in rows) + f"""
+**Throughput ratio FleetStrategy / {label}: {med / fleet_med:.3f}** by the medians, {low / fleet_low:.3f} by the lower
+quartiles (goal >= 0.98).""" + "".join(f" FleetStrategy / {name}: {m / fleet_med:.3f} ({q / fleet_low:.3f})." for name, m, q, _ in rows[1:-1]) + f"""
 
 FleetStrategy start-up overhead (median of the rounds, rank 0): profiling on the meta device
 {startup['profile_s']:.3f} s, cluster (cached measurement) {startup['cluster_s']:.3f} s, planning and broadcast
@@ -251,6 +265,7 @@ if __name__ == "__main__":
     if len(sys.argv) == 3:
         jobs = {"deepspeed": deepspeed_job, "torch": torch_job, "fsdp": fsdp_job, "ddp": ddp_job,
                 **{f"fleet-{table}": (lambda out, table=table: fleet_job(out, table)) for table in PLANS}}
+        _pin()
         jobs[sys.argv[1]](Path(sys.argv[2]))
     else:
         main()

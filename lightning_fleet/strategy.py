@@ -508,7 +508,7 @@ class FleetStrategy(DDPStrategy):
             tensor_parallel=tp[1] if tp else None,
             universal=resume.kind is ResumeKind.RESHARD,
         )
-        for obj, name, value in self.backend.module_patches(module, decision.plan, find_layers(module)):
+        for obj, name, value in self.backend.module_patches(module, decision.plan, find_layers(module), self.precision_plugin):
             self._patch(obj, name, value)
 
     def _build_engine(self, model: Any, optimizer: Any, lr_scheduler: Any = None) -> tuple[Any, Any]:

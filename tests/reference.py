@@ -10,8 +10,9 @@ from lightning_fleet.elastic.sampler import GlobalBatchSampler
 from tests.workers.train_gpt import DATA, SIZES, eval_batch
 
 
-def reference_run(steps: int, global_batch_size: int, seed: int = 0) -> tuple[float, dict[str, torch.Tensor]]:
-    """Eval loss and weights after ``steps`` AdamW steps of the example GPT, one process, no Lightning, no DeepSpeed."""
+def reference_run(steps: int, global_batch_size: int, seed: int = 0, clip: float = 0.0) -> tuple[float, dict[str, torch.Tensor]]:
+    """Eval loss and weights after ``steps`` AdamW steps of the example GPT, one process, no Lightning, no DeepSpeed
+    (``clip`` > 0: the gradient's norm clipped to it first, as ``Trainer(gradient_clip_val=clip)``)."""
     torch.manual_seed(seed)
     model = GPT(**SIZES)
     dm = StdlibText(**DATA)
@@ -25,6 +26,8 @@ def reference_run(steps: int, global_batch_size: int, seed: int = 0) -> tuple[fl
         xs, ys = zip(*(dm.train_set[i] for i in indices))
         loss = model.loss((torch.stack(xs), torch.stack(ys)))
         loss.backward()
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
         optimizer.zero_grad()
         step += 1

@@ -440,8 +440,9 @@ class Backend(Protocol):
         """Process-wide (object, attribute) pairs the runtime may replace while it builds an engine (put back after fit)."""
         ...
 
-    def module_patches(self, module: Any, plan: Plan, layers: Any) -> list[tuple[Any, str, Any]]:
-        """(object, attribute, value) changes the user's module needs for one fit under ``plan`` (undone afterwards)."""
+    def module_patches(self, module: Any, plan: Plan, layers: Any, precision: Any) -> list[tuple[Any, str, Any]]:
+        """(object, attribute, value) changes the user's module (and Lightning's ``precision`` plugin) need for one fit
+        under ``plan`` (undone afterwards)."""
         ...
 
     def build(self, module: Any, optimizer: Any, scheduler: Any, *, plan: Plan, config: dict[str, Any], device_rank: int,

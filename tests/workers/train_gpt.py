@@ -64,6 +64,7 @@ def main() -> None:
     parser.add_argument("--gbs", type=int, default=8)
     parser.add_argument("--cluster", default=None)
     parser.add_argument("--precision", default="32-true")
+    parser.add_argument("--clip", type=float, default=0.0, help="Trainer(gradient_clip_val=...)")
     parser.add_argument("--save-to", default=None, help="after each fit, trainer.save_checkpoint to DIR/<plan index>")
     parser.add_argument("--resume-from", default=None, help="fit(ckpt_path=DIR/<plan index>)")
     parser.add_argument("--out", required=True)
@@ -81,6 +82,7 @@ def main() -> None:
             strategy=strategy,
             callbacks=[counted, *QUIET_TRAINER.get("callbacks", [])],  # a wrapping worker may add its own
             precision=args.precision,
+            gradient_clip_val=args.clip or None,
             max_steps=args.steps,
             **{key: value for key, value in QUIET_TRAINER.items() if key != "callbacks"},
             limit_val_batches=0,

@@ -80,7 +80,8 @@ class DeepSpeedBackend:
         deepspeed/runtime/zero/partition_parameters.py)."""
         return [(torch.nn.functional, "linear")]
 
-    def module_patches(self, module: torch.nn.Module, plan: Plan, layers: Iterable[torch.nn.Module] | None) -> list[tuple[Any, str, Any]]:
+    def module_patches(self, module: torch.nn.Module, plan: Plan, layers: Iterable[torch.nn.Module] | None,
+                       precision: Any) -> list[tuple[Any, str, Any]]:
         """(object, attribute, value) changes the module needs for this plan, applied by the caller for one fit and undone
         at its end: full recomputation of each layer outside a pipeline (the pipeline checkpoints its own layers), and
         no gradient zeroing by Lightning under automatic optimization (DeepSpeed zeroes after every real optimizer step;

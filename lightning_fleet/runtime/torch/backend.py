@@ -81,11 +81,20 @@ class TorchBackend:
         """Nothing process-wide changes."""
         return []
 
-    def module_patches(self, module: nn.Module, plan: Plan, layers: Iterable[nn.Module] | None) -> list[tuple[Any, str, Any]]:
-        """(object, attribute, value) changes for one fit, undone at its end: full recomputation of each layer, and under
+    def module_patches(self, module: nn.Module, plan: Plan, layers: Iterable[nn.Module] | None, precision: Any) -> list[tuple[Any, str, Any]]:
+        """(object, attribute, value) changes for one fit, undone at its end: full recomputation of each layer, under
         automatic optimization no gradient zeroing by Lightning between a step's micro-batches (the step's first
-        micro-batch starts from the user's own ``optimizer_zero_grad``, strategy.py)."""
+        micro-batch starts from the user's own ``optimizer_zero_grad``, strategy.py), and where tensor parallelism or
+        FSDP2 lays the gradients out on meshes Lightning's norm clipping through ``torch.nn.utils.clip_grad_norm_``
+        cannot mix, the precision plugin's ``clip_grad_by_norm`` through :func:`lightning_fleet.runtime.torch.engine.clip_grad_norm_`."""
         patches: list[tuple[Any, str, Any]] = []
+        if plan.tp > 1 or plan.zero >= 2:
+            from lightning_fleet.runtime.torch.engine import clip_grad_norm_
+
+            def clip_grad_by_norm(optimizer: Any, clip_val: float) -> None:
+                clip_grad_norm_(precision.main_params(optimizer), clip_val)
+
+            patches.append((precision, "clip_grad_by_norm", clip_grad_by_norm))
         if plan.recompute.value == "full" and layers is not None:
             patches += [(layer, "forward", checkpointed_forward(layer.forward)) for layer in layers]
         if getattr(module, "automatic_optimization", True):

@@ -28,7 +28,7 @@ imported by the torch backend.
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -223,6 +223,33 @@ def release(engine: ParallelEngine, optimizers: Sequence[torch.optim.Optimizer])
         for name in ("_is_fsdp_managed_module", "_fsdp_use_orig_params"):
             owner.__dict__.pop(name, None)
     return module
+
+
+def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for gradients laid out on different meshes (tensor-parallel shards, FSDP2
+    shards, plain replicated tensors), which torch's cannot stack together: each group's norm (one mesh and placement;
+    a DTensor's reduced over its mesh and gathered whole), the total as the norm of those norms (exact for every
+    p-norm, the maximum for inf), then every gradient scaled by the same factor. Returns the total norm."""
+    from torch.distributed.tensor import DTensor
+
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for param in parameters:
+        grad = param.grad
+        if grad is not None:
+            key = (grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else grad.device
+            groups.setdefault(key, []).append(grad)
+    norms = []
+    for grads in groups.values():
+        norm = torch.nn.utils.get_total_norm(grads, norm_type)
+        norms.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).float().cpu())
+    if not norms:
+        return torch.zeros(())
+    total = torch.nn.utils.get_total_norm(norms, norm_type)
+    scale = min(1.0, float(max_norm) / (float(total) + 1e-6))  # torch's clip_coef, clamped at 1
+    if scale < 1.0:
+        for grads in groups.values():
+            torch._foreach_mul_(grads, scale)
+    return total
 
 
 def _gather_optimizer(optimizer: torch.optim.Optimizer, plain: dict[int, nn.Parameter]) -> None:
