@@ -520,7 +520,7 @@ class NonFiniteGuard(Callback):
             return
         if self._pending is None and self._checked:
             module = _module_of(engine)
-            bad = _non_finite_gradient(module, agree=self._agree)
+            bad = _non_finite_gradient(module, agree_on=trainer.strategy.root_device if self._agree else None)
             if bad and self._loss is not None:  # every rank has the same verdict: all are here together
                 lost = _non_finite_ranks(trainer, self._loss)
                 what = f"the loss is {lost}" if lost else f"the gradient is {bad} (the loss is finite on every rank)"
@@ -621,14 +621,14 @@ def _step_applied(engine: Any) -> bool:
     return bool(applied()) if callable(applied) else True
 
 
-def _non_finite_gradient(module: torch.nn.Module, *, agree: bool = False) -> str:
+def _non_finite_gradient(module: torch.nn.Module, *, agree_on: torch.device | None = None) -> str:
     """'' when every gradient of ``module`` (this rank's part of a sharded one) is finite, else ``NaN`` or ``infinite``:
-    one fused check per device, the kind looked at only when it fails; ``agree``: the worst over every rank (one
-    all-reduce, every rank calls it)."""
+    one fused check per device, the kind looked at only when it fails; ``agree_on`` (this rank's device): the worst
+    over every rank (one all-reduce, every rank calls it; a rank without a gradient shard takes part too)."""
     grads = _local_gradients(module)
     worst = 0.0 if _gradients_finite(grads) else _worst(grads)
-    if agree and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        flag = torch.tensor([worst], device=next(iter(grads), torch.device("cpu")))
+    if agree_on is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        flag = torch.tensor([worst], device=agree_on)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         worst = float(flag)
     return {0.0: "", 1.0: "infinite"}.get(worst, "NaN")
