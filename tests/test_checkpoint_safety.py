@@ -652,11 +652,14 @@ def test_a_checkpoint_dir_without_room_for_one_more_checkpoint_is_refused_at_set
 
 
 @pytest.mark.elastic
-def test_disk_full_during_a_save_is_one_line_leaves_nothing_behind_and_does_not_loop(tmp_path):
+@pytest.mark.parametrize("runtime", ["deepspeed", "torch"])
+def test_disk_full_during_a_save_is_one_line_leaves_nothing_behind_and_does_not_loop(tmp_path, runtime):
     """The file system fills up after the save of step 4 started (the worker's test switch): before, an `enforce fail
-    at inline_container.cc` or ENOSPC traceback, a partial .tmp-step dir, and every restart failing the same way."""
+    at inline_container.cc` or ENOSPC traceback, a partial .tmp-step dir, and every restart failing the same way; on the
+    torch runtime, DCP's own line, the partial dir left and a restart."""
     with tmpfs(tmp_path / "fs", "2m") as mount:
-        proc = torchrun(tmp_path, "--ckpt", str(mount / "ckpt"), "--plan", "dp=2,zero=2", "--fill-at", "4", restarts=2)
+        proc = torchrun(tmp_path, "--ckpt", str(mount / "ckpt"), "--plan", f"dp=2,zero=2,runtime={runtime}", "--fill-at", "4",
+                        restarts=2)
         code = finish(proc, timeout=150)
         log = (tmp_path / "job.log").read_text()
         left = sorted(p.name for p in (mount / "ckpt").iterdir() if not p.name.startswith(".fleet-lock"))

@@ -316,9 +316,9 @@ class FleetCheckpoint(Callback):
         (the ranks may have failed at different collectives: none waits for another); one after it is agreed."""
         try:
             trainer.save_checkpoint(state_dir(tmp), weights_only=False)  # a full, resumable checkpoint
-        except (OSError, RuntimeError) as err:
+        except (OSError, RuntimeError, FleetError) as err:  # FleetError: a runtime's own line (DCP's failed save)
             shutil.rmtree(tmp, ignore_errors=True)
-            raise self._failed(final, _error_text(err)) from None
+            raise self._failed(final, str(err) if isinstance(err, FleetError) else _error_text(err)) from None
         failure: BaseException | None = None
         try:
             torch.save(RngState.capture().to_checkpoint(), rank_file(tmp, trainer.global_rank))
