@@ -640,11 +640,16 @@ def _local_gradients(module: torch.nn.Module) -> dict[torch.device, list[torch.T
     for parameter in module.parameters():
         grad = parameter.grad
         if grad is not None and grad.is_floating_point() and grad.numel():
-            grad = grad.to_local() if hasattr(grad, "to_local") else grad
+            grad = _shard_of(grad)
             dense = grad.coalesce().values() if grad.is_sparse else grad
             if dense.numel():
                 found.setdefault(dense.device, []).append(dense)
     return found
+
+
+def _shard_of(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (FSDP2, tensor parallelism), a plain tensor as it is: what a local check reads."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def _gradients_finite(grads: dict[torch.device, list[torch.Tensor]]) -> bool:
@@ -725,7 +730,7 @@ def _weights_finite(trainer: Any) -> bool:
     checks: dict[torch.device, list[torch.Tensor]] = {}
     with torch.no_grad():
         for tensor in _weights_tensors(trainer):
-            tensor = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor: this rank's shard
+            tensor = _shard_of(tensor)
             if tensor.is_floating_point() and tensor.numel():
                 checks.setdefault(tensor.device, []).append(torch.isfinite(tensor).all())
         return all(bool(torch.stack(found).all()) for found in checks.values())  # one read per device

@@ -232,7 +232,8 @@ def read(directory: Path, layout: Mapping[str, Any]) -> tuple[dict[str, torch.Te
     full = {key: value.float() if value.is_floating_point() else value for key, value in weights.items() if isinstance(value, torch.Tensor)}
     keys = layout.get("keys")
     order = [key for key in keys if isinstance(key, str) and key in full] if isinstance(keys, list) else []  # the module's
-    full = {key: full[key] for key in [*order, *(key for key in full if key not in set(order))]}
+    ordered = set(order)
+    full = {key: full[key] for key in [*order, *(key for key in full if key not in ordered)]}
     return full, load_file(directory / str(layout.get("client", CLIENT_FILE)))
 
 
