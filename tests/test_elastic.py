@@ -175,9 +175,10 @@ def test_sigterm_to_one_rank_stops_all_at_one_step_and_resumes(tmp_path, rank):
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> Path:
-    """A finished 6-step job with committed checkpoints at steps 2, 4 and 6."""
+    """A finished 6-step job with committed checkpoints at steps 2, 4 and 6, written by DeepSpeed (the tests using it
+    plant files in DeepSpeed's layout; "auto" may choose either runtime for zero=2)."""
     tmp = tmp_path_factory.mktemp("ckpts")
-    proc = launch(tmp, "--steps", "6", "--every", "2", "--plan", "dp=2,zero=2", restarts=0)
+    proc = launch(tmp, "--steps", "6", "--every", "2", "--plan", "dp=2,zero=2,runtime=deepspeed", restarts=0)
     assert finish(proc) == 0, (tmp / "launch.log").read_text()[-3000:]
     return tmp
 
