@@ -31,11 +31,11 @@ def hooks(tp: bool = True, pp: bool = True, layers: bool = True, automatic: bool
 
 def deepspeed_constraints(**varying: object) -> Constraints:
     """What DeepSpeed's limits are, written out: no sp, no vpp, zero <= 1 and neither tp, offload nor uneven replicas with
-    pp, the default placement, sparse gradients at ZeRO-0 only; ``varying`` the fields that depend on the module's hooks
+    pp, the default placement, sparse gradients at ZeRO-0 only, no hybrid sharding; ``varying`` the fields that depend on the module's hooks
     and the job's options."""
     return Constraints(
         allow_sp=False, max_vpp=1, max_zero_with_pp=1, search_placement=False, tp_with_pp=False, offload_with_pp=False,
-        uneven_dp_with_pp=False, sparse_zero_stages=(0,),
+        uneven_dp_with_pp=False, sparse_zero_stages=(0,), hybrid_shard=False,
         overlaps=Overlaps(dp_grad_reduce=(1, 2, 3), dp_param_gather=(3,), dp_exposed_in_pipeline=True, dp_grad_allreduce=(1, 2)),
         **varying,  # type: ignore[arg-type]
     )
@@ -122,6 +122,8 @@ REFUSALS = [
     ("dp=1,zero=3", hooks(), {"zero_stages": (0, 1)}, "plan dp=1,zero=3: zero=3 is outside zero_stages=(0, 1)"),
     ("zero=1,offload=optimizer", hooks(), {"allow_offload": False},
      "plan zero=1,offload=optimizer offloads, but allow_offload=False"),
+    ("dp=4,zero=3,dp_shard=2", hooks(), {},
+     "plan dp=4,zero=3,dp_shard=2: DeepSpeed shards over all data-parallel replicas only (no hybrid sharding); leave dp_shard out"),
     ("order=dp-tp-pp", hooks(), {},
      "plan order=dp-tp-pp: DeepSpeed places the axes tp-dp-pp only (it builds its own process groups, and the data order "
      "follows them); use order=tp-dp-pp or leave order out"),
@@ -143,6 +145,14 @@ def test_check_refuses_with_one_line(text: str, module: ModuleHooks, options: di
 def test_check_accepts_what_deepspeed_runs(text: str) -> None:
     DEEPSPEED.check(parse_partial_plan(text), DEEPSPEED.constraints(hooks()), hooks())
     assert DEEPSPEED.refusal(parse_partial_plan(text), hooks()) is None
+
+
+def test_hybrid_sharding_is_torchs_and_searched_there_only() -> None:
+    """torch runs dp_shard (FSDP2 over a 2-D mesh) at its shard levels: its constraints search the groups, DeepSpeed's
+    do not, and a fixed group narrows torch's search to it."""
+    assert TORCH.refusal(parse_partial_plan("dp=4,zero=3,dp_shard=2"), hooks()) is None
+    assert TORCH.constraints(hooks()).hybrid_shard and not DEEPSPEED.constraints(hooks()).hybrid_shard
+    assert "torch runs zero 0, 2 or 3 only" in TORCH.refusal(parse_partial_plan("dp=4,zero=1,dp_shard=2"), hooks())
 
 
 def test_refusal_reads_whole_plans_too() -> None:

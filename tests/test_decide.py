@@ -230,6 +230,22 @@ def test_a_plan_only_one_runtime_runs_goes_to_it_and_one_no_runtime_runs_names_e
         "interleaved pipelines; use sp=false, vpp=1")
 
 
+def test_a_hybrid_shard_group_goes_to_torch_and_is_refused_in_one_line_on_deepspeed():
+    """dp_shard: torch executes it (HSDP), DeepSpeed does not, and a group that does not divide dp is the plan's own
+    error."""
+    decision = run_both(facts(), plan="dp=8,zero=3,dp_shard=4")
+    assert decision.runtime == "torch" and decision.plan.dp_shard == 4
+    assert "deepspeed: plan dp=8,zero=3,dp_shard=4: DeepSpeed shards over all data-parallel replicas only" in next(
+        line for line in decision.report if "runtime  " in line)
+    with pytest.raises(FleetError) as err:
+        run_both(facts(), plan="dp=8,zero=3,dp_shard=4,runtime=deepspeed")
+    assert str(err.value) == ("plan dp=8,zero=3,dp_shard=4: DeepSpeed shards over all data-parallel replicas only (no "
+                              "hybrid sharding); leave dp_shard out")
+    with pytest.raises(FleetError) as err:
+        run_both(facts(), plan="dp=8,zero=3,dp_shard=3")
+    assert "dp_shard=3 does not divide dp=8" in str(err.value) and "\n" not in str(err.value)
+
+
 def test_a_checkpoint_continues_on_the_runtime_that_wrote_it():
     text = "dp=8,tp=1,pp=1,zero=0,mbs=1,gas=4,recompute=none,sp=false,vpp=1,offload=none"
     for written, expected in ((text, "deepspeed"), (text + ",runtime=torch", "torch")):

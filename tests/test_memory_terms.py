@@ -585,3 +585,23 @@ def test_state_bytes_with_activations_is_the_stage_memory() -> None:
     assert (memory.activations_bytes, memory.limit_bytes, memory.host_limit_bytes, memory.stage) == (
         activations, hw.memory_bytes, hw.host_bytes_per_device, 0
     )
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_hybrid_sharding_splits_the_state_over_its_group(zero: int) -> None:
+    """dp=8 in groups of 4 holds what dp=4 sharded over all of dp holds: each copy of the sharded state is split 4 ways
+    (weights at zero 3, gradients from 2, optimizer states from 1), replicated across the 2 groups; the rest is dp=8's."""
+    from lightning_fleet.planning.estimate import memory_estimate
+    from lightning_fleet.planning.estimate import Hardware
+    from lightning_fleet.planning.plan import Plan
+    from tests.conftest import make_cluster, make_model
+
+    model, cluster = make_model(gbs=32), make_cluster(nodes=1, devices_per_node=8)
+    hw = Hardware.of(cluster, model)
+    hybrid = memory_estimate(model, hw, Plan(dp=8, zero=zero, gas=4, dp_shard=4))
+    four = memory_estimate(model, hw, Plan(dp=4, zero=zero, gas=8))
+    eight = memory_estimate(model, hw, Plan(dp=8, zero=zero, gas=4))
+    for term in ("params_bytes", "grads_bytes", "optimizer_bytes"):
+        assert getattr(hybrid, term) == getattr(four, term)
+    assert hybrid.optimizer_bytes == 2 * eight.optimizer_bytes
+    assert hybrid.activations_bytes == eight.activations_bytes

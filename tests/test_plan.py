@@ -59,6 +59,11 @@ def test_order_is_printed_only_when_not_default():
         ("dp=2,tp", "'tp' is not key=value"),
         ("tp=2,gas=1", "needs dp=N"),
         ("dp=2", "no gas= and no global batch size"),
+        ("dp=8,zero=3,dp_shard=3,gas=1", "dp_shard=3 does not divide dp=8: give a shard group size that divides dp (2, 4, 8)"),
+        ("dp=8,zero=0,dp_shard=4,gas=1", "dp_shard=4 needs zero >= 1"),
+        ("dp=8,zero=2,dp_shard=1,gas=1", "dp_shard=1 shards nothing"),
+        ("dp=8,zero=2,dp_shard=0,gas=1", "dp_shard must be a positive integer, got 0"),
+        ("dp=8,zero=2,dp_shard=two,gas=1", "dp_shard must be an integer"),
     ],
 )
 def test_bad_plan_strings(text, message):
@@ -66,6 +71,19 @@ def test_bad_plan_strings(text, message):
     with pytest.raises(PlanError) as err:
         parse_plan(text)
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_hybrid_sharding_is_printed_only_when_it_groups_the_replicas():
+    """dp_shard smaller than dp is hybrid sharding, printed and kept; as large as dp it is plain sharding (one spelling)."""
+    hybrid = parse_plan("dp=8,zero=3,dp_shard=4,gas=1")
+    assert (hybrid.dp_shard, hybrid.shard_degree, hybrid.shard_replicas) == (4, 4, 2)
+    assert str(hybrid).endswith(",dp_shard=4") and plan_from_mapping(hybrid.to_dict()) == hybrid
+    whole = parse_plan("dp=8,zero=3,dp_shard=8,gas=1")
+    assert whole == parse_plan("dp=8,zero=3,gas=1") and whole.dp_shard is None and "dp_shard" not in str(whole)
+    assert (whole.shard_degree, whole.shard_replicas) == (8, 1)
+    assert parse_partial_plan("dp_shard=2").fixed == {"dp_shard": 2}
+    with pytest.raises(PlanError, match="dp_shard=2 needs zero >= 1"):
+        parse_partial_plan("zero=0,dp_shard=2")
 
 
 def test_check_names_every_factor():

@@ -12,6 +12,7 @@ from lightning_fleet.planning import (
     Axis,
     Constraints,
     HostSpec,
+    LinkSpec,
     NoFeasiblePlanError,
     Offload,
     Plan,
@@ -27,8 +28,18 @@ from lightning_fleet.planning.search import divisors
 pytestmark = pytest.mark.pure
 
 
-def brute_force(model, cluster, cons: Constraints = Constraints()):
-    """Every valid plan (all placements), estimated one by one: the ground truth for the search."""
+def shard_groups(dp: int, tp: int, zero: int, devices_per_node: int, *, every: bool = False) -> list:
+    """The hybrid shard groups (Plan.dp_shard) of a layout: None (all of dp) and, at zero >= 1, the group the search
+    prices (the largest inside a node), or with ``every`` each divisor 2 <= g < dp."""
+    groups = [g for g in divisors(dp) if 2 <= g < dp] if zero else []
+    if not every:
+        groups = [g for g in groups if tp * g <= devices_per_node][-1:]
+    return [None, *groups]
+
+
+def brute_force(model, cluster, cons: Constraints = Constraints(), *, every_group: bool = False):
+    """Every valid plan (all placements; the hybrid shard groups the search prices, or with ``every_group`` all of
+    them), estimated one by one: the ground truth for the search."""
     world = cluster.world_size
     out = []
     for tp, pp in itertools.product(divisors(world), repeat=2):
@@ -45,12 +56,14 @@ def brute_force(model, cluster, cons: Constraints = Constraints()):
                 continue
             if pp > 1 and model.num_layers % (pp * vpp):
                 continue
-            try:
-                candidate = Plan(dp=dp, tp=tp, pp=pp, zero=zero, mbs=mbs, gas=batch // mbs, recompute=recompute, sp=sp, vpp=vpp, offload=offload)
-            except PlanError:
-                continue
-            for order in itertools.permutations(Axis):
-                out.append(estimate(model, cluster, candidate.replace(order=order)))
+            for group in shard_groups(dp, tp, zero, cluster.devices_per_node, every=every_group):
+                try:
+                    candidate = Plan(dp=dp, tp=tp, pp=pp, zero=zero, mbs=mbs, gas=batch // mbs, recompute=recompute, sp=sp,
+                                     vpp=vpp, offload=offload, dp_shard=group)
+                except PlanError:
+                    continue
+                for order in itertools.permutations(Axis):
+                    out.append(estimate(model, cluster, candidate.replace(order=order)))
     return out
 
 
@@ -81,6 +94,22 @@ def test_search_finds_the_brute_force_best(model, cluster):
     result = plan(model, cluster, top=3)
     best = min(e.time.step_s for e in truth)
     assert result.best.time.step_s == pytest.approx(best, rel=1e-12)
+
+
+def test_hybrid_groups_the_search_leaves_out_are_never_faster():
+    """A shard group smaller than one node's dp ranks holds more and talks on the same link: the best of every group
+    (brute force over each divisor of dp) is the best of the groups the search prices, on a cluster where a hybrid plan
+    wins (fast nodes, a slow link between them)."""
+    model = make_model(layers=4, hidden=1024, heads=8, seq=512, gbs=32)
+    cluster = dataclasses.replace(make_cluster(nodes=2, devices_per_node=4, memory_gib=8),
+                                  inter_node=LinkSpec(bandwidth_GBps=1, latency_us=10))
+    truth = [e for e in brute_force(model, cluster, every_group=True) if e.fits]
+    result = plan(model, cluster, top=3)
+    assert result.best.time.step_s == pytest.approx(min(e.time.step_s for e in truth), rel=1e-12)
+    data_parallel = [e for e in truth if e.plan.tp == e.plan.pp == 1]  # dp=8: groups of 2 and 4 inside a node
+    result = plan(model, cluster, top=3, max_tp=1, max_pp=1)
+    assert result.best.time.step_s == pytest.approx(min(e.time.step_s for e in data_parallel), rel=1e-12)
+    assert result.best.plan.dp_shard == 4, result.best.plan
 
 
 @pytest.mark.parametrize("model,cluster", CASES)
@@ -265,7 +294,7 @@ def test_fit_table_agrees_with_the_sums():
             _State(terms=(), rooms=tuple(room(o, limit) for o in other), host_fits=rng.random() < 0.8) for other in others
         ]
         table = _FitTable(recomputes, states)
-        ranked = table.states(0, offloads, states)
+        ranked = table.states((0, None), offloads, states)
         by_mode = {r: tuple(rng.choice((0.0, rng.uniform(0, 0.8) * limit, states[0].rooms[k])) for k in range(stages)) for r in recomputes}
         expected = [
             (r, o)
@@ -381,6 +410,21 @@ def test_fixed_axes_together_match_brute_force(text):
             check_against_brute_force(case, partial)
         except NoFeasiblePlanError:
             assert not any(e.fits for e in every_plan(case) if admitted(e.plan.replace(order=DEFAULT_ORDER), partial))
+
+
+def test_a_fixed_shard_group_is_every_plans_group():
+    """dp_shard=2 fixed: every plan shards at zero >= 1 over groups of 2 (dp=2 itself being one such group), and the best
+    is the best of an enumeration of every group, filtered to those."""
+    model, cluster = SMALL["offload-2x4"]
+    result = plan(model, cluster, top=3, exhaustive=True, constraints=narrow(Constraints(), parse_partial_plan("dp_shard=2")))
+    assert all(e.plan.shard_degree == 2 and e.plan.zero >= 1 for e in result.all_feasible)
+    assert {e.plan.dp for e in result.all_feasible} == {2, 4, 8}
+    truth = [e for e in brute_force(model, cluster, every_group=True) if e.fits and e.plan.shard_degree == 2 and e.plan.zero]
+    assert result.best.time.step_s == pytest.approx(min(e.time.step_s for e in truth), rel=1e-12)
+    with pytest.raises(PlanError, match="dp_shard=2 is not allowed here .allowed: none, as zero is 0 here"):
+        narrow(Constraints(zero_stages=(0,)), parse_partial_plan("dp_shard=2"))
+    with pytest.raises(PlanError, match="as this runtime runs no hybrid sharding"):
+        narrow(Constraints(hybrid_shard=False), parse_partial_plan("dp=4,dp_shard=2"))
 
 
 def test_a_fully_fixed_string_gives_exactly_that_plan():

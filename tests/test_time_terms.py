@@ -20,6 +20,7 @@ from lightning_fleet.planning.time import (
     exposed_s,
     forward_s,
     gemm_dim,
+    hybrid_reduce_s,
     microbatch_overhead_s,
     offload_s,
     optimizer_step_s,
@@ -306,6 +307,29 @@ def test_dp_comm_s_dp1_is_free(zero: int) -> None:
     assert _dp(zero, 0.0, dp=1) == 0.0
 
 
+SLOW = LinkSpec(bandwidth_GBps=10, latency_us=0)  # across the shard groups of hybrid sharding
+
+
+def test_hybrid_reduce_s_all_reduces_one_shard_across_the_groups() -> None:
+    """dp=8 in groups of 4: each rank all-reduces its quarter of the 4e9 B with the 1 other rank holding it, a ring of 2:
+    2 * (1/2) * 1e9 B at 10 GB/s = 0.1 s; none when the group is all of dp."""
+    assert hybrid_reduce_s(4e9, dp=8, shard=4, link=SLOW) == pytest.approx(0.1, rel=REL)
+    assert hybrid_reduce_s(4e9, dp=8, shard=8, link=SLOW) == 0.0
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_dp_comm_s_hybrid_gathers_in_the_group_and_reduces_across(zero: int) -> None:
+    """Hybrid sharding, overlap 0: the gathers and reduce-scatters of a 4-rank group on its link, and every reduction
+    followed by the all-reduce of the group's shard across the 2 groups on the slow link (bf16, tp=4: 2e9 B; ring of 4 at
+    the test link: AG = RS = 3/4 * 2e9 B * beta; across: 2 * 1/2 * 5e8 B / 10 GB/s = 0.05 s)."""
+    group_ag = group_rs = 3 * 5e-6 + 0.75 * 2e9 * 1e-11  # 0.015015
+    across = 0.05
+    expected = {1: group_rs + across + group_ag, 2: GAS * (group_rs + across) + group_ag,
+                3: GAS * (group_ag + group_ag + group_rs + across)}[zero]
+    assert _dp(zero, 0.0, shard=4, replica_link=SLOW) == pytest.approx(expected, rel=REL)
+    assert _dp(zero, 0.0, shard=8, replica_link=SLOW) == pytest.approx(_dp(zero, 0.0), rel=REL)  # one group of all 8
+
+
 def test_dp_comm_s_fp32_doubles_bytes() -> None:
     """fp32 gradients are 4 B/param: zero 0 all-reduce of 4 * 4e9 / 4 = 4e9 B over dp=8."""
     got = dp_comm_s(
@@ -506,4 +530,18 @@ def test_axis_links_follow_the_placement() -> None:
     assert (default.dp, default.tp, default.pp) == (intra, intra, inter) and default.pp is inter and default.tp is intra
     other = hw.links(Plan(dp=2, tp=4, pp=2, order=("pp", "dp", "tp")))
     assert other.pp is intra and other.dp is intra and other.tp is inter
-    assert default.identity() == (id(intra), id(intra), id(inter)) != other.identity()
+    assert default.identity() == (id(intra), id(intra), id(inter), id(intra)) != other.identity()
+    assert default.dp_shard is default.dp  # no hybrid sharding: the shard group is the dp axis
+
+
+def test_a_hybrid_shard_group_inside_a_node_talks_on_its_link() -> None:
+    """dp=8, tp=2 on two 8-device nodes: the dp axis spans 16 ranks (both nodes), a shard group of 4 spans 2 x 4 = 8 (one
+    node), a group of 8 both nodes again."""
+    from lightning_fleet.planning.estimate import Hardware
+    from lightning_fleet.planning.plan import Plan
+    from tests.conftest import make_cluster, make_model
+
+    hw = Hardware.of(make_cluster(nodes=2, devices_per_node=8), make_model())
+    links = hw.links(Plan(dp=8, tp=2, zero=3, dp_shard=4))
+    assert links.dp is hw.inter_node and links.dp_shard is hw.intra_node
+    assert hw.links(Plan(dp=8, tp=2, zero=3, dp_shard=8)).dp_shard is hw.inter_node

@@ -133,32 +133,48 @@ def test_fleet_export_reads_the_torch_runtimes_checkpoints_whole(plan, resumed):
         torch.testing.assert_close(exported[name], tensor, atol=2e-5, rtol=0, msg=f"{plan}: {name}")
 
 
-WIDE_TORCH_PLANS = ["dp=2,tp=2,zero=0,runtime=torch", "dp=2,tp=2,zero=2,runtime=torch", "dp=2,tp=2,zero=3,mbs=2,runtime=torch"]
-"""dp x tp on a (dp, tp) mesh of 4 processes: the engine's own all-reduce over dp at shard level 0, FSDP2 over dp above."""
+WIDE_TORCH_PLANS = ["dp=2,tp=2,zero=0,runtime=torch", "dp=2,tp=2,zero=2,runtime=torch", "dp=2,tp=2,zero=3,mbs=2,runtime=torch",
+                    "dp=4,zero=2,dp_shard=2,runtime=torch", "dp=4,zero=3,dp_shard=2,runtime=torch"]
+"""dp x tp on a (dp, tp) mesh of 4 processes: the engine's own all-reduce over dp at shard level 0, FSDP2 over dp above;
+and hybrid sharding (HSDP): FSDP2 over a (2 replicas, 2 shards) mesh."""
+HYBRID = WIDE_TORCH_PLANS.index("dp=4,zero=3,dp_shard=2,runtime=torch")
 
 
 @pytest.fixture(scope="module")
 def wide(tmp_path_factory):
-    """The torch runtime's dp x tp plans, 6 steps each, in one 4-process job."""
+    """The torch runtime's dp x tp and hybrid plans, 6 steps each, in one 4-process job; each saved after its fit."""
     tmp = tmp_path_factory.mktemp("wide")
     cluster = (ROOT / "lightning_fleet/planning/presets/clusters/cpu.yaml").read_text()
     (tmp / "cluster.yaml").write_text(cluster.replace("devices_per_node: 2", "devices_per_node: 4"))
     results, _ = run_worker(tmp, "--plans", ";".join(WIDE_TORCH_PLANS), "--steps", str(STEPS), "--gbs", str(GBS),
-                            "--devices", "4", "--cluster", str(tmp / "cluster.yaml"))
-    return dict(zip(WIDE_TORCH_PLANS, results))
+                            "--devices", "4", "--cluster", str(tmp / "cluster.yaml"), "--save-to", str(tmp / "ckpt"))
+    return dict(zip(WIDE_TORCH_PLANS, results)) | {"saved": tmp / "ckpt"}
 
 
 @pytest.mark.parametrize("plan", WIDE_TORCH_PLANS)
-def test_dp_by_tp_on_the_torch_runtime_matches_the_reference(plan, wide, reference):
-    """4 processes, dp=2 x tp=2: each rank holds its tp shard (a quarter of the split layers under FSDP2) while training,
-    and the handed-back module equals the one-process reference."""
+def test_wide_torch_plans_match_the_reference(plan, wide, reference):
+    """4 processes: dp=2 x tp=2, each rank holding its tp shard (a quarter of the split layers under FSDP2), and hybrid
+    sharding, each rank holding half the weights (its shard group's half; the other group holds the same halves) while
+    training; the handed-back module equals the one-process reference."""
     result, (ref_loss, ref_state) = wide[plan], reference
-    zero = plan.split("zero=")[1][0]
-    assert result["plan"].startswith(f"dp=2,tp=2,pp=1,zero={zero},") and result["world_size"] == 4, result["plan"]
+    fixed = plan.removesuffix(",runtime=torch").split(",")
+    assert all(f"{key}," in result["plan"] + "," for key in fixed) and result["world_size"] == 4, result["plan"]
     assert result["local_params"] < 0.75 * sum(t.numel() for t in ref_state.values())
     assert result["eval_loss"] == pytest.approx(ref_loss, rel=1e-5)
     for name, tensor in result["state"].items():
         torch.testing.assert_close(tensor, ref_state[name], atol=2e-5, rtol=0, msg=f"{plan}: {name}")
+
+
+def test_a_hybrid_checkpoint_resumes_fully_sharded_on_two_processes(tmp_path, wide):
+    """The step-6 save of hybrid sharding on 4 processes (DCP shards of a (replicate, shard) mesh) resumes on 2 processes
+    at zero=3 sharded over both, to step 9: equal to 9 uninterrupted steps of one process."""
+    ref_loss, ref_state = reference_run(STEPS + 3, GBS)
+    (result,), _ = run_worker(tmp_path, "--plans", "dp=2,zero=3,runtime=torch", "--steps", str(STEPS + 3), "--gbs", str(GBS),
+                              "--cluster", "cpu", "--resume-from", str(wide["saved"]), "--resume-index", str(HYBRID))
+    assert result["global_step"] == STEPS + 3 and result["world_size"] == 2
+    assert result["eval_loss"] == pytest.approx(ref_loss, rel=1e-5)
+    for name, tensor in result["state"].items():
+        torch.testing.assert_close(tensor, ref_state[name], atol=2e-5, rtol=0, msg=name)
 
 
 CLIPPED_PLANS = ["dp=2,zero=0,runtime=torch", "dp=2,zero=3,runtime=torch", "dp=1,tp=2,zero=0,runtime=torch",

@@ -50,3 +50,11 @@ def axis_level(plan: Plan, axis: Axis, devices_per_node: int) -> LinkLevel:
     span = plan.stride(axis) * getattr(plan, axis.value)
     return LinkLevel.INTRA if span <= devices_per_node else LinkLevel.INTER
 
+
+
+def shard_level(plan: Plan, devices_per_node: int) -> LinkLevel:
+    """The level the shard group of hybrid sharding runs on (:attr:`Plan.dp_shard` consecutive dp ranks, each
+    :meth:`Plan.stride` of dp apart): intra-node when the group spans at most one node, as :func:`axis_level`; the dp
+    axis' own level without hybrid sharding."""
+    span = plan.stride(Axis.DP) * plan.shard_degree
+    return LinkLevel.INTRA if span <= devices_per_node else LinkLevel.INTER

@@ -16,7 +16,7 @@ from typing import Any
 from lightning_fleet.planning import memory as mem
 from lightning_fleet.planning import time as tm
 from lightning_fleet.planning.cluster import GIB, Calibration, ClusterSpec, DeviceSpec, LinkLevel, LinkSpec, slowest_device
-from lightning_fleet.planning.comm import axis_level
+from lightning_fleet.planning.comm import axis_level, shard_level
 from lightning_fleet.planning.errors import PlanError
 from lightning_fleet.planning.model import ModelSpec, Precision, Role, TouchedRows, touched_sparse
 from lightning_fleet.planning.overlap import Overlaps
@@ -79,8 +79,11 @@ class Hardware:
         return self.intra_node if axis_level(plan, axis, self.devices_per_node) is LinkLevel.INTRA else self.inter_node
 
     def links(self, plan: Plan) -> "AxisLinks":
-        """The links of all three axes under the plan's placement."""
-        return AxisLinks(dp=self.link(plan, Axis.DP), tp=self.link(plan, Axis.TP), pp=self.link(plan, Axis.PP))
+        """The links of all three axes under the plan's placement, and of its hybrid shard group."""
+        dp = self.link(plan, Axis.DP)
+        shard = dp if plan.dp_shard is None else (
+            self.intra_node if shard_level(plan, self.devices_per_node) is LinkLevel.INTRA else self.inter_node)
+        return AxisLinks(dp=dp, tp=self.link(plan, Axis.TP), pp=self.link(plan, Axis.PP), dp_shard=shard)
 
 
 def _elementwise_s(calibration: Calibration, device: DeviceSpec, precision: Precision) -> float:
@@ -103,10 +106,14 @@ class AxisLinks:
     """Tensor parallel: the all-reduces (or all-gathers and reduce-scatters with sp) inside each layer."""
     pp: LinkSpec
     """Pipeline: activations and gradients sent between neighbouring stages."""
+    dp_shard: LinkSpec
+    """Hybrid sharding's shard group (:attr:`Plan.dp_shard`): its all-gathers and reduce-scatters (``dp`` then carries
+    the all-reduce across the groups); the same link as ``dp`` without hybrid sharding."""
 
-    def identity(self) -> tuple[int, int, int]:
-        """Which of the hardware's link objects the dp, tp and pp axes use: placements with the same identity price the same."""
-        return (id(self.dp), id(self.tp), id(self.pp))
+    def identity(self) -> tuple[int, int, int, int]:
+        """Which of the hardware's link objects the dp, tp and pp axes (and the shard group) use: placements with the same
+        identity price the same."""
+        return (id(self.dp), id(self.tp), id(self.pp), id(self.dp_shard))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -178,11 +185,13 @@ def stage_touched(model: ModelSpec, load: StageLoad, dp: int) -> TouchedRows:
 
 
 def stage_state_bytes(
-    model: ModelSpec, hw: Hardware, load: StageLoad, *, tp: int, dp: int, zero: int, offload: Offload
+    model: ModelSpec, hw: Hardware, load: StageLoad, *, tp: int, dp: int, zero: int, offload: Offload, shard: int | None = None
 ) -> StateBytes:
     """Everything but activations on one device of a stage; gradients and optimizer states for its trainable parameters
-    only, the gradients of sparse ones (at ZeRO-0) by the rows a step touches (:func:`memory.sparse_grads_bytes`)."""
+    only, the gradients of sparse ones (at ZeRO-0) by the rows a step touches (:func:`memory.sparse_grads_bytes`). What
+    ``zero`` shards is split over ``shard`` replicas (hybrid sharding's group, :attr:`Plan.dp_shard`; None: all dp)."""
     n, t, p = load.params, load.trainable_params, model.precision
+    group = dp if shard is None else shard
     sparse = sparse_on_stage(load, zero)
     sparse_grads = mem.sparse_grads_bytes(stage_touched(model, load, dp), dp=dp, precision=p) if sparse else 0.0
     other = (
@@ -191,12 +200,12 @@ def stage_state_bytes(
         + mem.reserve_bytes(hw.memory_bytes, hw.calibration)
     )
     return StateBytes(
-        params_bytes=mem.params_bytes(n, tp=tp, dp=dp, zero=zero, offload=offload, precision=p),
-        grads_bytes=mem.grads_bytes(t - sparse, tp=tp, dp=dp, zero=zero, precision=p, grad_accum=model.grad_accum_dtype)
+        params_bytes=mem.params_bytes(n, tp=tp, dp=group, zero=zero, offload=offload, precision=p),
+        grads_bytes=mem.grads_bytes(t - sparse, tp=tp, dp=group, zero=zero, precision=p, grad_accum=model.grad_accum_dtype)
         + sparse_grads,
-        optimizer_bytes=mem.optimizer_bytes(t, tp=tp, dp=dp, zero=zero, offload=offload, precision=p),
+        optimizer_bytes=mem.optimizer_bytes(t, tp=tp, dp=group, zero=zero, offload=offload, precision=p),
         other_bytes=other,
-        host_bytes=mem.host_bytes(n, tp=tp, dp=dp, offload=offload, precision=p, trainable=t),
+        host_bytes=mem.host_bytes(n, tp=tp, dp=group, offload=offload, precision=p, trainable=t),
     )
 
 
@@ -253,7 +262,7 @@ class ActivationModel:
 
 def stage_memory(model: ModelSpec, hw: Hardware, plan: Plan, load: StageLoad) -> mem.MemoryEstimate:
     """Memory of one device of one pipeline stage."""
-    state = stage_state_bytes(model, hw, load, tp=plan.tp, dp=plan.dp, zero=plan.zero, offload=plan.offload)
+    state = stage_state_bytes(model, hw, load, tp=plan.tp, dp=plan.dp, zero=plan.zero, offload=plan.offload, shard=plan.dp_shard)
     return state.with_activations(stage_activation_bytes(load, plan, plan.recompute), hw, load.index)
 
 
@@ -307,13 +316,13 @@ class TimeModel:
         self._least_step_overhead_s = min(hw.calibration.step_overhead(zero) for zero in range(4))
         self._loads: dict[int, tuple[StageLoad, ...]] = {}
         self._rates: dict[tuple[int, int], float] = {}
-        self._links: dict[tuple[int, int, int, tuple[Axis, ...]], AxisLinks] = {}
+        self._links: dict[tuple[int, int, int, tuple[Axis, ...], int | None], AxisLinks] = {}
         self._fwd: dict[tuple[int, int, int, int], float] = {}
         self._compute: dict[tuple[int, int, int, int, Recompute], tuple[float, float]] = {}
         self._slowest: dict[tuple[int, int, int, Recompute, bool, int, int, int], StageTime] = {}
-        self._dp: dict[tuple[int, int, int, int, int, int, Recompute, int], float] = {}
-        self._offload: dict[tuple[int, int, int, int, Offload], float] = {}
-        self._optimizer: dict[tuple[int, int, int, int, Offload], float] = {}
+        self._dp: dict[tuple[int, int, int, int, int, int, Recompute, int, int | None, int], float] = {}
+        self._offload: dict[tuple[int, int, int, int, Offload], float] = {}  # (pp, tp, shard degree, gas, offload)
+        self._optimizer: dict[tuple[int, int, int, int, Offload], float] = {}  # (pp, tp, shard degree, zero, offload)
 
     def loads(self, pp: int) -> tuple[StageLoad, ...]:
         """:func:`stage_loads` of the model for ``pp`` stages."""
@@ -339,10 +348,11 @@ class TimeModel:
 
     def links(self, plan: Plan, order: tuple[Axis, ...]) -> AxisLinks:
         """The links of ``plan``'s layout placed in ``order``."""
-        key = (plan.dp, plan.tp, plan.pp, order)
+        key = (plan.dp, plan.tp, plan.pp, order, plan.dp_shard)
         links = self._links.get(key)
         if links is None:
-            placed = plan if order == plan.order else Plan(dp=plan.dp, tp=plan.tp, pp=plan.pp, order=order)
+            placed = plan if order == plan.order else Plan(dp=plan.dp, tp=plan.tp, pp=plan.pp, order=order, zero=plan.zero,
+                                                          dp_shard=plan.dp_shard)
             links = self._links[key] = self.hw.links(placed)
         return links
 
@@ -360,16 +370,16 @@ class TimeModel:
     def time(self, plan: Plan, order: tuple[Axis, ...] | None = None) -> tm.TimeEstimate:
         """Step time of ``plan`` (placed in ``order`` when given): the slowest stage paces the pipeline; the slowest data-parallel group ends the step."""
         links = self.links(plan, plan.order if order is None else order)
-        dp_link, tp_link, pp_link = links.dp, links.tp, links.pp
+        tp_link, pp_link = links.tp, links.pp
         gas, overhead_s = plan.gas, self.microbatch_overhead_s(plan.zero, plan.pp, plan.recompute, plan.offload)
         key = (plan.pp, plan.mbs, plan.tp, plan.recompute, plan.sp, plan.vpp, id(tp_link), id(pp_link))
         slowest = self._slowest.get(key)
         if slowest is None:
             slowest = self._slowest[key] = self._slowest_stage(plan, tp_link, pp_link)
-        key = (plan.pp, plan.mbs, plan.tp, plan.dp, plan.zero, gas, plan.recompute, id(dp_link))
+        key = (plan.pp, plan.mbs, plan.tp, plan.dp, plan.zero, gas, plan.recompute, id(links.dp), plan.dp_shard, id(links.dp_shard))
         dp_s = self._dp.get(key)
         if dp_s is None:
-            dp_s = self._dp[key] = max(self._stage_dp_s(load, plan, dp_link) for load in self.loads(plan.pp))
+            dp_s = self._dp[key] = max(self._stage_dp_s(load, plan, links) for load in self.loads(plan.pp))
         microbatch_s = slowest.microbatch_s + overhead_s
         return tm.TimeEstimate(
             compute_s=gas * slowest.compute_s,
@@ -445,13 +455,14 @@ class TimeModel:
         microbatch_s, compute_s, tp_s, pp_s = slowest
         return StageTime(microbatch_s=microbatch_s, compute_s=compute_s, tp_comm_s=tp_s, pp_comm_s=pp_s)
 
-    def _stage_dp_s(self, load: StageLoad, plan: Plan, link: LinkSpec) -> float:
-        """Exposed data-parallel communication of one stage."""
+    def _stage_dp_s(self, load: StageLoad, plan: Plan, links: AxisLinks) -> float:
+        """Exposed data-parallel communication of one stage (under hybrid sharding: in the shard group on its link,
+        across the groups on the dp axis' link)."""
         fwd, bwd = self._stage_compute(plan.pp, load, plan.mbs, plan.tp, plan.recompute)
         sparse = sparse_on_stage(load, plan.zero)
         sparse_s = tm.sparse_grad_allgather_s(
             stage_touched(self.model, load, plan.dp), tensors=load.sparse_tensors, dp=plan.dp, precision=self.model.precision,
-            link=link,
+            link=links.dp,
         ) if sparse else 0.0
         return tm.dp_comm_s(
             load.params,
@@ -460,7 +471,7 @@ class TimeModel:
             zero=plan.zero,
             gas=plan.gas,
             precision=self.model.precision,
-            link=link,
+            link=links.dp_shard,
             forward_time_s=fwd,
             backward_time_s=bwd,
             overlap=self.hw.calibration.overlap,
@@ -468,12 +479,14 @@ class TimeModel:
             overlaps=self.overlaps,
             pp=plan.pp,
             sparse_s=sparse_s,
+            shard=plan.dp_shard,
+            replica_link=links.dp,
         )
 
     def _optimizer_s(self, plan: Plan) -> float:
         """The device optimizer step of the stage with the most work: its dense trainable parameters, and the rows its
         sparse gradients hold (:func:`time.sparse_optimizer_step_s`)."""
-        key = (plan.pp, plan.tp, plan.dp, plan.zero, plan.offload)
+        key = (plan.pp, plan.tp, plan.shard_degree, plan.zero, plan.offload)
         seconds = self._optimizer.get(key)
         if seconds is None:
             seconds = self._optimizer[key] = max(self._stage_optimizer_s(load, plan) for load in self.loads(plan.pp))
@@ -482,14 +495,15 @@ class TimeModel:
     def _stage_optimizer_s(self, load: StageLoad, plan: Plan) -> float:
         rate, sparse = self.hw.calibration.adam_params_per_s, sparse_on_stage(load, plan.zero)
         dense = tm.optimizer_step_s(
-            load.trainable_params - sparse, tp=plan.tp, dp=plan.dp, zero=plan.zero, offload=plan.offload, adam_params_per_s=rate
+            load.trainable_params - sparse, tp=plan.tp, dp=plan.shard_degree, zero=plan.zero, offload=plan.offload,
+            adam_params_per_s=rate,
         )
         if not sparse:
             return dense
         return dense + tm.sparse_optimizer_step_s(stage_touched(self.model, load, plan.dp), dp=plan.dp, adam_params_per_s=rate)
 
     def _offload_s(self, plan: Plan) -> float:
-        key = (plan.pp, plan.tp, plan.dp, plan.gas, plan.offload)
+        key = (plan.pp, plan.tp, plan.shard_degree, plan.gas, plan.offload)
         seconds = self._offload.get(key)
         if seconds is None:
             hw = self.hw
@@ -497,7 +511,7 @@ class TimeModel:
                 tm.offload_s(
                     load.params,
                     tp=plan.tp,
-                    dp=plan.dp,
+                    dp=plan.shard_degree,
                     gas=plan.gas,
                     offload=plan.offload,
                     precision=self.model.precision,

@@ -5,7 +5,9 @@ String form (also ``str(plan)``)::
     dp=32,tp=8,pp=4,zero=1,mbs=2,gas=28,recompute=full,sp=false,vpp=1,offload=none
 
 Keys may be left out when parsing: zero=0, mbs=1, recompute=none, sp=false, vpp=1, offload=none,
-gas derived from the global batch size. ``order=tp-dp-pp`` (innermost axis first) is printed only
+gas derived from the global batch size. ``dp_shard=4`` (printed only when it is smaller than dp) shards the data-parallel state (what
+``zero`` shards) over groups of that many replicas and replicates it across the dp / dp_shard groups (hybrid sharding:
+FSDP inside a node, replicas across nodes). ``order=tp-dp-pp`` (innermost axis first) is printed only
 when it differs from the default placement, and ``stage_layers=7/8/8/7`` (transformer layers per
 pipeline stage, first to last) only when the layers split unevenly; without it a pipeline splits
 them evenly when pp divides them, else as :func:`lightning_fleet.planning.stages.balanced_stage_layers` says.
@@ -91,12 +93,13 @@ class Coordinates:
 
 
 _KEYS = ("dp", "tp", "pp", "zero", "mbs", "gas", "recompute", "sp", "vpp", "offload", "order", "stage_layers", "dp_mbs",
-         "runtime")
-_OPTIONAL = ("gas", "order", "stage_layers", "dp_mbs", "runtime")
+         "dp_shard", "runtime")
+_OPTIONAL = ("gas", "order", "stage_layers", "dp_mbs", "dp_shard", "runtime")
 """Keys a whole plan may leave out: gas follows from the global batch, order defaults to tp-dp-pp, stage_layers to the
-default split, dp_mbs to mbs on every replica, runtime to none chosen yet."""
+default split, dp_mbs to mbs on every replica, dp_shard to sharding over all of dp, runtime to none chosen yet."""
 _RUNTIME_NAME = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
 _INT_KEYS = ("dp", "tp", "pp", "mbs", "gas", "vpp")
+_PARSED_INT_KEYS = (*_INT_KEYS, "dp_shard")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -133,6 +136,12 @@ class Plan:
     dp_mbs: tuple[int, ...] | None = None
     """Micro-batch size of each data-parallel replica, first to last, when they differ (None: every replica runs
     ``mbs``; equal sizes are kept as None). ``mbs`` is then the largest: what the busiest device holds and computes."""
+    dp_shard: int | None = None
+    """Hybrid sharding: the data-parallel replicas ``zero`` shards over, as groups of this many consecutive dp ranks,
+    each group holding one whole copy of the sharded state and the dp / dp_shard groups reducing their gradients across
+    (torch's HSDP: FSDP2 over a (replicate, shard) mesh; torchtitan's ``data_parallel_shard_degree``). None: one group,
+    all of dp (a group as large as dp is kept as None, so each layout has one spelling). Needs zero >= 1 and must
+    divide dp."""
     runtime: str | None = None
     """The runtime that executes the plan, by its name in the runtime table (lightning_fleet/runtime; the planning core
     knows no runtime by name); None: not chosen (a plan of the cost model's whole space)."""
@@ -140,6 +149,8 @@ class Plan:
     def __post_init__(self) -> None:
         if self.runtime is not None:
             _check_runtime(self.runtime)
+        if self.dp_shard is not None:
+            object.__setattr__(self, "dp_shard", _check_dp_shard(self.dp_shard, dp=self.dp, zero=self.zero))
         for name in _INT_KEYS:  # the checks of _check_positive and _check_zero, inline: the search builds many plans
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -166,6 +177,16 @@ class Plan:
     def world_size(self) -> int:
         """Devices the plan uses: dp * tp * pp."""
         return self.dp * self.tp * self.pp
+
+    @property
+    def shard_degree(self) -> int:
+        """Ranks each copy of the sharded data-parallel state is split over: ``dp_shard``, else dp."""
+        return self.dp if self.dp_shard is None else self.dp_shard
+
+    @property
+    def shard_replicas(self) -> int:
+        """Whole copies of the sharded data-parallel state: dp / :attr:`shard_degree` (1 without hybrid sharding)."""
+        return self.dp // self.shard_degree
 
     @property
     def global_batch_size(self) -> int:
@@ -203,6 +224,8 @@ class Plan:
             text += f",stage_layers={field_text(self.stage_layers)}"
         if self.dp_mbs is not None:
             text += f",dp_mbs={field_text(self.dp_mbs)}"
+        if self.dp_shard is not None:
+            text += f",dp_shard={self.dp_shard}"
         if self.runtime is not None:
             text += f",runtime={self.runtime}"
         return text
@@ -247,10 +270,10 @@ class Plan:
         out["recompute"] = str(self.recompute)
         out["offload"] = str(self.offload)
         out["order"] = "-".join(self.order)
-        for name in ("stage_layers", "dp_mbs", "runtime"):
+        for name in ("stage_layers", "dp_mbs", "dp_shard", "runtime"):
             if out[name] is None:
                 del out[name]
-            elif name != "runtime":
+            elif name in ("stage_layers", "dp_mbs"):
                 out[name] = list(out[name])  # type: ignore[call-overload]
         return out
 
@@ -320,6 +343,25 @@ def _check_order(order: object) -> tuple[Axis, ...]:
     if sorted(axes) != sorted(Axis):
         raise PlanError(f"plan: order must name dp, tp and pp once each, got {'-'.join(axes)}")
     return axes
+
+
+def _check_dp_shard(value: object, *, dp: int | None, zero: int | None) -> int | None:
+    """The shard group size as a plan keeps it (None when it is all of dp), checked against dp and zero where they are
+    known: a positive integer of at least 2 that divides dp, with something to shard (zero >= 1)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise PlanError(f"plan: dp_shard must be a positive integer (the replicas each shard group spans), got {shown(value)}")
+    if dp is not None and dp % value:
+        raise PlanError(f"plan: dp_shard={value} does not divide dp={dp}: give a shard group size that divides dp "
+                        f"({', '.join(str(d) for d in range(2, dp + 1) if dp % d == 0) or 'none here'})")
+    if dp is not None and value == dp:
+        return None
+    if value == 1:
+        raise PlanError("plan: dp_shard=1 shards nothing (every replica holds everything): use zero=0, or a shard group of "
+                        "at least 2 replicas")
+    if zero == 0:
+        raise PlanError(f"plan: dp_shard={value} needs zero >= 1 (it groups the replicas the data-parallel state is "
+                        "sharded over; zero=0 shards nothing)")
+    return value
 
 
 def _check_stage_layers(value: object) -> tuple[int, ...]:
@@ -437,7 +479,7 @@ def _split_plan(text: str) -> dict[str, object]:
         if key in out:
             raise PlanError(f"plan {text!r}: {key} given twice")
         out[key] = _parse_value(key, value, text)
-        if key in _INT_KEYS:
+        if key in _PARSED_INT_KEYS:
             _check_positive(key, out[key])  # before gas = global batch size / (dp * mbs) divides by them
         elif key == "dp_mbs":
             _check_dp_mbs(out[key], dp=None, mbs=None)  # before gas = global batch size / sum(dp_mbs)
@@ -530,12 +572,17 @@ class PartialPlan:
     """Micro-batch size of each data-parallel replica; fixes dp to its length and mbs to the largest. Uneven sizes are
     given with a whole plan (:attr:`complete`): the planner prices and runs them, it does not search around them;
     equal sizes are kept as dp and mbs (None here), as :class:`Plan` keeps them."""
+    dp_shard: int | None = None
+    """The shard group size of hybrid sharding (:attr:`Plan.dp_shard`); None: the planner chooses (one group of all dp,
+    or groups where the runtime runs them)."""
     runtime: str | None = None
     """The runtime that must execute it (None: the planner or FleetStrategy(runtime=...) chooses)."""
 
     def __post_init__(self) -> None:
         if self.runtime is not None:
             _check_runtime(self.runtime)
+        if self.dp_shard is not None:
+            _check_dp_shard(self.dp_shard, dp=self.dp, zero=self.zero)
         for name in _INT_KEYS:
             if getattr(self, name) is not None:
                 _check_positive(name, getattr(self, name))

@@ -141,6 +141,11 @@ class Constraints:
     """Exact micro-batch size of each data-parallel replica of every plan (dp is its length, mbs its largest): the
     search plans the rest as for every replica running the largest (what the busiest device holds and computes), and
     the plans it returns are priced with the real sizes."""
+    hybrid_shard: bool = True
+    """Consider hybrid sharding (``Plan.dp_shard``): at zero >= 1, the shard group of one node's data-parallel ranks,
+    replicated across the groups (:func:`_shard_groups`)."""
+    dp_shard: int | None = None
+    """Exact shard group size of every plan at zero >= 1 (None: all of dp, or the groups ``hybrid_shard`` allows)."""
     sparse_zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     """ZeRO stages the runtime runs parameters with sparse gradients at (a runtime's
     ``Capabilities.sparse_grad_zero_stages``): a model with some (:attr:`ModelSpec.sparse_params`) is planned on these
@@ -153,7 +158,7 @@ class Constraints:
             for stage in getattr(self, name):
                 if stage not in (0, 1, 2, 3):
                     raise PlanError(f"constraint {name}: {stage!r} is not a ZeRO stage (0-3)")
-        for name in ("max_tp", "tp_divides", "max_pp", "max_vpp", "dp", "tp", "pp", "gas", "vpp"):
+        for name in ("max_tp", "tp_divides", "max_pp", "max_vpp", "dp", "tp", "pp", "gas", "vpp", "dp_shard"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise PlanError(f"constraint {name} must be an integer >= 1, got {value!r}")
@@ -289,6 +294,15 @@ def narrow(base: Constraints, partial: PartialPlan) -> Constraints:
         if partial.offload is not Offload.NONE and not any(z >= lowest for z in stages):
             raise refuse("offload", partial.offload, f"offload none, as zero is {_names(stages)} here")
         changes["offloads"] = (partial.offload,)
+    if partial.dp_shard is not None:
+        if base.dp_shard not in (None, partial.dp_shard):
+            raise refuse("dp_shard", partial.dp_shard, f"dp_shard={base.dp_shard}")
+        if not base.hybrid_shard and partial.dp_shard != partial.dp:
+            raise refuse("dp_shard", partial.dp_shard, "sharding over all of dp, as this runtime runs no hybrid sharding")
+        stages = tuple(z for z in changes.get("zero_stages", base.zero_stages) if z >= 1)  # type: ignore[attr-defined]
+        if not stages:
+            raise refuse("dp_shard", partial.dp_shard, "none, as zero is 0 here and hybrid sharding needs zero >= 1")
+        changes["zero_stages"], changes["dp_shard"] = stages, partial.dp_shard
     return dataclasses.replace(base, **changes)  # type: ignore[arg-type]
 
 
@@ -512,14 +526,33 @@ def _layouts(model: ModelSpec, world: int, cons: Constraints, rejected: list[Rej
     return sorted(out, key=lambda layout: layout.split is not None)  # uneven splits last: the even ones' times bound them
 
 
-def _variants(layout: _Layout, model: ModelSpec, cons: Constraints) -> list[tuple[int, bool, int]]:
-    """The (vpp, sp, zero) combinations of a layout, vpp outermost and zero innermost (tuples: the search makes many)."""
+def _variants(layout: _Layout, model: ModelSpec, cons: Constraints, devices_per_node: int) -> list[tuple[int, bool, int, int | None]]:
+    """The (vpp, sp, zero, dp_shard) combinations of a layout, vpp outermost and the shard group innermost (tuples: the
+    search makes many)."""
     vpps = [v for v in _vpps(model, cons, layout) if cons.vpp in (None, v)]
     sps = [False, True] if layout.tp > 1 and cons.allow_sp else [False]
     sps = [sp for sp in sps if cons.sp in (None, sp)]
     top_zero = cons.max_zero_with_pp if layout.pp > 1 else 3
-    zeros = [z for z in cons.zero_stages if z <= top_zero]
-    return list(itertools.product(vpps, sps, zeros))
+    shards = [(z, g) for z in cons.zero_stages if z <= top_zero for g in _shard_groups(layout, z, cons, devices_per_node)]
+    return [(vpp, sp, z, g) for vpp, sp in itertools.product(vpps, sps) for z, g in shards]
+
+
+def _shard_groups(layout: _Layout, zero: int, cons: Constraints, devices_per_node: int) -> list[int | None]:
+    """The hybrid shard groups (``Plan.dp_shard``) of a layout at shard level ``zero``: None (all of dp) first, then,
+    where the constraints allow hybrid sharding and zero >= 1, the largest group of dp ranks inside one node (tp ranks
+    apart under the default placement): its gathers and reduce-scatters run on the node's link. A smaller group inside a
+    node holds more and talks on the same link, so it is never faster; a group spanning nodes moves, in ring terms, the
+    bytes sharding over all of dp moves on the same slower link ((g-1)/g + (r-1)/(r g) = (dp-1)/dp of them for g ranks
+    in r groups) and only saves ring latency while holding more: neither is searched (a fixed ``dp_shard`` is the only
+    group)."""
+    if cons.dp_shard is not None:
+        if zero == 0 or layout.dp % cons.dp_shard:
+            return []
+        return [None if cons.dp_shard == layout.dp else cons.dp_shard]
+    if zero == 0 or not cons.hybrid_shard:
+        return [None]
+    inside = [g for g in divisors(layout.dp) if 2 <= g < layout.dp and layout.tp * g <= devices_per_node]
+    return [None, *inside[-1:]]
 
 
 def _micro_batch_sizes(batch: int, cons: Constraints) -> list[int]:
@@ -692,6 +725,8 @@ class _States:
 
     zero: int
     """ZeRO stage."""
+    shard: int | None
+    """Its hybrid shard group (``Plan.dp_shard``; None: all of dp)."""
     offloads: tuple[Offload, ...]
     """Offload modes, lightest first."""
     states: tuple[_State, ...]
@@ -716,16 +751,16 @@ class _FitTable:
         """Recompute modes, in search order."""
         self.rooms: tuple[list[float], ...] = tuple(sorted(set(r)) for r in zip(*(s.rooms for s in states))) if states else ()
         """Per stage: the sorted rooms of the layout's states."""
-        self._fitting: dict[tuple[int, tuple[int, ...]], list[tuple[Recompute, Offload]]] = {}
+        self._fitting: dict[tuple[int, int | None, tuple[int, ...]], list[tuple[Recompute, Offload]]] = {}
 
-    def states(self, zero: int, offloads: list[Offload], states: list[_State]) -> _States:
-        """Rank the rooms of one ZeRO stage's offload modes."""
+    def states(self, key: tuple[int, int | None], offloads: list[Offload], states: list[_State]) -> _States:
+        """Rank the rooms of the offload modes of one (ZeRO stage, shard group)."""
         positions = tuple(
             (offload, tuple(bisect.bisect_left(rooms, r) for rooms, r in zip(self.rooms, state.rooms)))
             for offload, state in zip(offloads, states)
             if state.host_fits
         )
-        return _States(zero=zero, offloads=tuple(offloads), states=tuple(states), positions=positions)
+        return _States(zero=key[0], shard=key[1], offloads=tuple(offloads), states=tuple(states), positions=positions)
 
     def signature(self, by_mode: dict[Recompute, tuple[float, ...]]) -> tuple[int, ...]:
         """The ranks of every mode's activation bytes (recompute outer, stage inner) among the rooms."""
@@ -737,9 +772,9 @@ class _FitTable:
 
     def fitting(self, states: _States, signature: tuple[int, ...]) -> list[tuple[Recompute, Offload]]:
         """The variants that fit on the device and on the host, in search order (not to be changed)."""
-        out = self._fitting.get((states.zero, signature))
+        out = self._fitting.get((states.zero, states.shard, signature))
         if out is None:
-            out = self._fitting[(states.zero, signature)] = []
+            out = self._fitting[(states.zero, states.shard, signature)] = []
             n = len(self.rooms)
             for i, recompute in enumerate(self.recomputes):
                 ranks = signature[i * n : i * n + n]
@@ -768,8 +803,8 @@ class _Activations:
         """Per recompute mode (in search order), per stage: what :func:`stage_activation_bytes` returns."""
         self.signature = signature
         """Their ranks among the layout's rooms (:meth:`_FitTable.signature`)."""
-        self.fits: dict[int, list[tuple[Recompute, Offload]]] = {}
-        """ZeRO stage -> the variants that fit (:meth:`_FitTable.fitting`)."""
+        self.fits: dict[tuple[int, int | None], list[tuple[Recompute, Offload]]] = {}
+        """(ZeRO stage, shard group) -> the variants that fit (:meth:`_FitTable.fitting`)."""
         self.bound: float | None = None
         """:func:`compute_bound_s` of the plans, once needed."""
 
@@ -798,7 +833,7 @@ class _Search:
         """Every family that did not fit, in search order (explained only when reported)."""
         self.closest: _Misfit | None = None
         """The misfit with the least shortfall (the first of equally close ones)."""
-        self._states: dict[tuple[int, int, int, int, Offload], _State] = {}
+        self._states: dict[tuple[int, int, int, int, Offload, int | None], _State] = {}
         self._bounds: dict[tuple[int, int, int, int, int], float] = {}
         self._orders: dict[tuple[int, int, int], list[tuple[Axis, ...]]] = {}
         self._undominated: dict[tuple[tuple[Recompute, Offload], ...], list[tuple[Recompute, Offload]]] = {}
@@ -848,13 +883,13 @@ class _Search:
                     orders.append(order)
         return orders
 
-    def _state(self, layout: _Layout, zero: int, offload: Offload) -> _State:
+    def _state(self, layout: _Layout, zero: int, offload: Offload, shard: int | None) -> _State:
         """Per-stage non-activation bytes; they do not depend on mbs, gas, sp or vpp, so they are kept."""
-        key = (layout.dp, layout.tp, layout.pp, zero, offload)
+        key = (layout.dp, layout.tp, layout.pp, zero, offload, shard)
         state = self._states.get(key)
         if state is None:
             terms = tuple(
-                stage_state_bytes(self.model, self.hw, load, tp=layout.tp, dp=layout.dp, zero=zero, offload=offload)
+                stage_state_bytes(self.model, self.hw, load, tp=layout.tp, dp=layout.dp, zero=zero, offload=offload, shard=shard)
                 for load in self.times.loads(layout.pp)
             )
             state = self._states[key] = _State(
@@ -869,20 +904,22 @@ class _Search:
         for layout in _layouts(self.model, self.hw.world_size, self.cons, self.unsplittable):
             batch = self.model.global_batch_size // layout.dp
             mbs_values = _micro_batch_sizes(batch, self.cons)
-            variants = _variants(layout, self.model, self.cons)
-            modes: dict[int, tuple[list[Offload], list[_State]]] = {}  # zero -> its offload modes and their states
-            for zero in dict.fromkeys(zero for _, _, zero in variants):
+            variants = _variants(layout, self.model, self.cons, self.hw.devices_per_node)
+            # (zero, shard group) -> its offload modes and their states
+            modes: dict[tuple[int, int | None], tuple[list[Offload], list[_State]]] = {}
+            for zero, shard in dict.fromkeys((zero, shard) for _, _, zero, shard in variants):
                 offloads = _offloads(zero, self.cons, self.has_host)
                 if layout.pp > 1 and not self.cons.offload_with_pp:
                     offloads = [o for o in offloads if o is Offload.NONE]
                 if offloads:
-                    modes[zero] = (offloads, [self._state(layout, zero, offload) for offload in offloads])
+                    modes[(zero, shard)] = (offloads, [self._state(layout, zero, offload, shard) for offload in offloads])
             table = _FitTable(self.cons.recompute, [state for _, states in modes.values() for state in states])
-            by_zero = {zero: table.states(zero, offloads, states) for zero, (offloads, states) in modes.items()}
+            by_zero = {key: table.states(key, offloads, states) for key, (offloads, states) in modes.items()}
             sweeps: dict[tuple[int, bool], list[_Activations]] = {}  # shared by the ZeRO stages of a layout
-            for vpp, sp, zero in variants:
-                if zero in by_zero:
-                    self._micro_batches(layout, vpp, sp, by_zero[zero], batch, mbs_values, table, sweeps.setdefault((vpp, sp), []))
+            for vpp, sp, zero, shard in variants:
+                if (zero, shard) in by_zero:
+                    self._micro_batches(layout, vpp, sp, by_zero[(zero, shard)], batch, mbs_values, table,
+                                        sweeps.setdefault((vpp, sp), []))
 
     def _micro_batches(
         self,
@@ -909,11 +946,11 @@ class _Search:
             else:
                 acts = self._activations(layout, vpp, sp, mbs, batch // mbs, table)
                 sweep.append(acts)
-            fitting = acts.fits.get(zero)
+            fitting = acts.fits.get((zero, states.shard))
             if fitting is None:
-                fitting = acts.fits[zero] = table.fitting(states, acts.signature)
+                fitting = acts.fits[(zero, states.shard)] = table.fitting(states, acts.signature)
             fields = {"dp": layout.dp, "tp": tp, "pp": pp, "zero": zero, "mbs": mbs, "gas": acts.gas, "sp": sp, "vpp": vpp,
-                      "order": order, "stage_layers": layout.split}
+                      "order": order, "stage_layers": layout.split, "dp_shard": states.shard}
             if not fitting:
                 self._misfit(fields, acts, states)
                 candidates += family * (len(mbs_values) - i)

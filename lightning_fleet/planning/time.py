@@ -269,6 +269,8 @@ def dp_comm_s(
     overlaps: Overlaps = Overlaps.DEFAULT,
     pp: int = 1,
     sparse_s: float = 0.0,
+    shard: int | None = None,
+    replica_link: LinkSpec | None = None,
 ) -> float:
     """Exposed data-parallel communication per step of a stage holding ``n`` parameters, ``trainable`` of them with
     gradients (default all), in a ``pp``-stage pipeline (ZeRO paper Sec. 7; DeepSpeed's overlap_comm).
@@ -284,6 +286,10 @@ def dp_comm_s(
     parameters that require grad, ``is_optimized_parameter`` in stage_1_and_2.py); ZeRO-3 gathers every parameter.
     ``sparse_s`` is the zero-0 reduction of the sparse gradients (:func:`sparse_grad_allgather_s`; ``trainable`` then
     counts the dense ones only): it runs beside the dense all-reduce, after the same backward.
+    Hybrid sharding (``shard`` replicas per shard group, fewer than dp; ``link`` is then the shard group's link and
+    ``replica_link`` the one across groups): the gathers and reduce-scatters run within the group, and each reduction
+    adds an all-reduce of the group's 1/shard of the gradients across the dp / shard groups
+    (:func:`hybrid_reduce_s`).
     """
     if dp == 1:
         return 0.0
@@ -292,14 +298,26 @@ def dp_comm_s(
     nbytes = precision.element_bytes * (n if trainable is None else trainable) / tp
     if zero == 0:
         return exposed_s(allreduce_s(nbytes, dp, link) + sparse_s, backward_time_s, grads)
-    gather = allgather_s(nbytes, dp, link)
-    scatter = reduce_scatter_s(nbytes, dp, link)
+    group = dp if shard is None else shard
+    across = hybrid_reduce_s(nbytes, dp=dp, shard=group, link=link if replica_link is None else replica_link)
+    gather = allgather_s(nbytes, group, link)
+    scatter = reduce_scatter_s(nbytes, group, link) + across
     if zero in (1, 2):
         updated = exposed_s(gather, forward_time_s, gathers) if gathers else gather
-        reduce = allreduce_s(nbytes, dp, link) if overlaps.reduces_grads_by_allreduce(zero) else scatter
+        reduce = allreduce_s(nbytes, group, link) + across if overlaps.reduces_grads_by_allreduce(zero) else scatter
         return (gas if zero == 2 else 1) * exposed_s(reduce, backward_time_s, grads) + updated
-    gather = gather if trainable is None else allgather_s(precision.element_bytes * n / tp, dp, link)
+    gather = gather if trainable is None else allgather_s(precision.element_bytes * n / tp, group, link)
     return gas * zero3_microbatch_s(gather, scatter, forward_time_s, backward_time_s, gathers=gathers, grads=grads)
+
+
+# torch 2.13 torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py foreach_reduce: the reduce-scatter over the shard
+# group, then "if all_reduce_group is not None:  # HSDP" dist.all_reduce(reduce_output, group=all_reduce_group) of the
+# shard it left; on the same stream, behind the same backward.
+def hybrid_reduce_s(nbytes: float, *, dp: int, shard: int, link: LinkSpec) -> float:
+    """Hybrid sharding's reduction across shard groups: a ring all-reduce of one group member's 1/``shard`` of the
+    ``nbytes`` gradients over the dp / ``shard`` members that hold the same shard; none without hybrid sharding
+    (``shard`` = dp)."""
+    return allreduce_s(nbytes / shard, dp // shard, link)
 
 
 def zero3_microbatch_s(gather_s: float, scatter_s: float, forward_time_s: float, backward_time_s: float, *, gathers: float,

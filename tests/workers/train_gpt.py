@@ -67,6 +67,7 @@ def main() -> None:
     parser.add_argument("--clip", type=float, default=0.0, help="Trainer(gradient_clip_val=...)")
     parser.add_argument("--save-to", default=None, help="after each fit, trainer.save_checkpoint to DIR/<plan index>")
     parser.add_argument("--resume-from", default=None, help="fit(ckpt_path=DIR/<plan index>)")
+    parser.add_argument("--resume-index", type=int, default=None, help="resume every plan from DIR/<this index> instead")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     results = []
@@ -88,7 +89,8 @@ def main() -> None:
             limit_val_batches=0,
             num_sanity_val_steps=0,
         )
-        trainer.fit(model, dm, ckpt_path=f"{args.resume_from}/{index}" if args.resume_from else None)
+        saved = index if args.resume_index is None else args.resume_index
+        trainer.fit(model, dm, ckpt_path=f"{args.resume_from}/{saved}" if args.resume_from else None)
         if args.save_to:
             trainer.save_checkpoint(f"{args.save_to}/{index}")
         x, y = eval_batch(dm)

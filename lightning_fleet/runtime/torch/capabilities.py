@@ -71,6 +71,10 @@ TORCH = Capabilities(
     # DDP's reducer all-reduces sparse gradients (nn.Embedding(sparse=True)) as sparse tensors (reducer.cpp: "sparse
     # gradients" buckets of their own; gloo runs sparse all-reduce)
     sparse_grad_zero_stages=(0,),
+    # FSDP2's fully_shard over a 2-D (replicate, shard) mesh is HSDP (torch/distributed/fsdp/_fully_shard/_fully_shard.py:
+    # "If 2D, then parameters are sharded across the 1st dim and replicated across the 0th dim (HSDP)"), at shard levels 2
+    # and 3 (runtime/torch/engine.py)
+    hybrid_shard=True,
 )
 """torch 2.13's own stack under strategy "fleet": DistributedDataParallel at shard level 0, FSDP2 at 2 and 3, DTensor
 tensor parallelism beside either."""

@@ -11,7 +11,10 @@ places it):
 - shard levels 2 and 3: ``fully_shard`` on the dp axis over every layer of the layer stack and then the module itself
   (the root holds what no layer does: embeddings, head, norms), ``reshard_after_forward`` False at 2 (the gathered
   weights stay until backward: ZeRO-2's memory, one gather per step) and True at 3 (gathered again for backward:
-  ZeRO-3); gradients are reduce-scattered, averaged over the replicas as DDP's all-reduce;
+  ZeRO-3); gradients are reduce-scattered, averaged over the replicas as DDP's all-reduce. With hybrid sharding
+  (``Plan.dp_shard``) the dp axis is two, ``(dp / dp_shard, dp_shard)``, consecutive dp ranks sharing a shard group, and
+  ``fully_shard`` takes that 2-D mesh: HSDP, sharded within each group and replicated across the groups (each reduction
+  reduce-scatters within the group, then all-reduces its shard across the groups);
 - shard level 0 with dp > 1 and tp > 1: DDP cannot take DTensor parameters, so the engine reduces the gradients itself
   (:class:`_DataParallelReduction`: buckets all-reduced over dp as their gradients become ready in backward, waited for
   at its end) -- what DDP does, on the local shards.
@@ -75,7 +78,13 @@ def apply(module: nn.Module, layers: Sequence[nn.Module] | None, *, plan: Plan, 
 
     first = next(module.parameters(), None)
     device_type = first.device.type if first is not None else "cpu"
-    mesh = init_device_mesh(device_type, (plan.dp, plan.tp), mesh_dim_names=("dp", "tp"))
+    if plan.dp_shard is None:
+        mesh = init_device_mesh(device_type, (plan.dp, plan.tp), mesh_dim_names=("dp", "tp"))
+        dp_mesh = mesh["dp"]
+    else:  # HSDP: fully_shard replicates over a 2-D mesh's first dimension and shards over its second
+        mesh = init_device_mesh(device_type, (plan.shard_replicas, plan.dp_shard, plan.tp),
+                                mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+        dp_mesh = mesh["dp_replicate", "dp_shard"]
     hooks = {m: {name: set(getattr(m, name)) for name in _HOOK_DICTS} for m in module.modules()}
     if plan.tp > 1:
         _split(module, tensor_parallel, mesh["tp"])
@@ -87,9 +96,9 @@ def apply(module: nn.Module, layers: Sequence[nn.Module] | None, *, plan: Plan, 
         targets = [*(layers or ()), module]
         classes = {target: type(target) for target in targets}
         for target in targets:
-            fully_shard(target, mesh=mesh["dp"], reshard_after_forward=plan.zero >= 3)
+            fully_shard(target, mesh=dp_mesh, reshard_after_forward=plan.zero >= 3)
     elif plan.dp > 1:
-        reduction = _DataParallelReduction(module, mesh["dp"].get_group(), plan.dp)
+        reduction = _DataParallelReduction(module, dp_mesh.get_group(), plan.dp)
     return ParallelEngine(module, classes, hooks, reduction)
 
 
