@@ -102,8 +102,8 @@ def _add_specs(parser: argparse.ArgumentParser) -> None:
         metavar="{" + ",".join((*RUNTIME_NAMES, AUTO)) + "}",
         help="what must execute the plan: 'any' (default) plans and prices every layout the cost model knows; 'deepspeed' "
         "only what strategy='fleet' runs on DeepSpeed (no sp, no vpp, no selective recomputation, zero <= 1 and no tp "
-        "or offload with pp, the default placement); 'torch' what it runs on torch's own stack (zero 0, 2, 3 and tp: DDP, "
-        "FSDP2, DTensor; no pp, offload or sp); "
+        "or offload with pp, the default placement); 'torch' what it runs on torch's own stack (zero 0-3, hybrid sharding "
+        "and tp: DDP, sharded optimizer steps, FSDP2, HSDP, DTensor; no pp, offload or sp); "
         "'auto' the fastest of those runtimes' best plans, as FleetStrategy(runtime='auto') chooses. For --model "
         "assuming the module provides fleet_tensor_parallel() and fleet_pipeline(), for --module with the hooks it has",
     )

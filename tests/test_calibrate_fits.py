@@ -132,10 +132,10 @@ def test_fleet_calibrate_writes_a_cluster_for_two_processes(tmp_path):
     assert len(c.zero_step_overhead_s) == 4 and len(c.zero_tensor_overhead_s) == 4
     assert c.zero_tensor_overhead_s[3] > 0  # ZeRO-3's gathers cost time per tensor
     # each runtime's own, at the shard levels it runs: what the planner prices its plans with
-    assert {r.runtime: r.zero_stages for r in c.runtimes} == {"torch": (0, 2, 3), "deepspeed": (0, 1, 2, 3)}
-    assert "on each runtime: torch at zero 0, 2, 3" in lines[6] and "deepspeed at zero 0, 1, 2, 3" in lines[6]
+    assert {r.runtime: r.zero_stages for r in c.runtimes} == {"torch": (0, 1, 2, 3), "deepspeed": (0, 1, 2, 3)}
+    assert "on each runtime: torch at zero 0, 1, 2, 3" in lines[6] and "deepspeed at zero 0, 1, 2, 3" in lines[6]
     torch_priced = cluster.for_runtime("torch").calibration
-    assert torch_priced.zero_step_overhead_s[2] == c.runtimes[0].step_overhead_s[1]
+    assert torch_priced.zero_step_overhead_s[2] == c.runtimes[0].step_overhead_s[2]
     assert c.adam_params_per_s > 0 and c.op_overhead_s > 0 and c.memory_reserve_gib > 0.1
     assert 1e-11 < c.elementwise_s < 1e-7  # memory-bound operators: ~1 ns an element on this CPU
     assert "FLASH_ATTENTION fp32" in lines[5]  # the CPU's fused kernel was timed

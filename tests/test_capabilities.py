@@ -35,7 +35,7 @@ def deepspeed_constraints(**varying: object) -> Constraints:
     and the job's options."""
     return Constraints(
         allow_sp=False, max_vpp=1, max_zero_with_pp=1, search_placement=False, tp_with_pp=False, offload_with_pp=False,
-        uneven_dp_with_pp=False, sparse_zero_stages=(0,), hybrid_shard=False,
+        uneven_dp_with_pp=False, sparse_zero_stages=(0,), hybrid_zero_stages=(),
         overlaps=Overlaps(dp_grad_reduce=(1, 2, 3), dp_param_gather=(3,), dp_exposed_in_pipeline=True, dp_grad_allreduce=(1, 2)),
         **varying,  # type: ignore[arg-type]
     )
@@ -151,8 +151,8 @@ def test_hybrid_sharding_is_torchs_and_searched_there_only() -> None:
     """torch runs dp_shard (FSDP2 over a 2-D mesh) at its shard levels: its constraints search the groups, DeepSpeed's
     do not, and a fixed group narrows torch's search to it."""
     assert TORCH.refusal(parse_partial_plan("dp=4,zero=3,dp_shard=2"), hooks()) is None
-    assert TORCH.constraints(hooks()).hybrid_shard and not DEEPSPEED.constraints(hooks()).hybrid_shard
-    assert "torch runs zero 0, 2 or 3 only" in TORCH.refusal(parse_partial_plan("dp=4,zero=1,dp_shard=2"), hooks())
+    assert TORCH.constraints(hooks()).hybrid_zero_stages == (2, 3) and not DEEPSPEED.constraints(hooks()).hybrid_zero_stages
+    assert "torch runs hybrid sharding at zero 2 or 3 only" in TORCH.refusal(parse_partial_plan("dp=4,zero=1,dp_shard=2"), hooks())
 
 
 def test_refusal_reads_whole_plans_too() -> None:
@@ -206,12 +206,12 @@ def test_the_runtime_table_names_each_runtime_once_with_its_parts() -> None:
         runtime_of_format("x/1")
 
 
-def test_torch_runs_shard_levels_0_2_3_and_tp_and_says_what_to_use_for_the_rest() -> None:
+def test_torch_runs_shard_levels_0_to_3_and_tp_and_says_what_to_use_for_the_rest() -> None:
     """A plan on an axis the torch runtime does not run is refused in one line naming the axis; the constraints it
     hands the planner leave those axes out."""
     module = hooks()
     for plan, why in (
-        ("zero=1", "torch runs zero 0, 2 or 3 only; use one of them"),
+        ("dp=4,zero=1,dp_shard=2", "torch runs hybrid sharding at zero 2 or 3 only; use one of them or leave dp_shard out"),
         ("pp=2", "torch runs no pipelines; use pp=1"),
         ("zero=2,offload=optimizer", "torch runs no offload; use offload=none"),
         ("tp=2,sp=true", "torch runs neither sequence parallelism nor interleaved pipelines; use sp=false, vpp=1"),
@@ -222,13 +222,12 @@ def test_torch_runs_shard_levels_0_2_3_and_tp_and_says_what_to_use_for_the_rest(
                 parse_partial_plan(plan)
             continue
         assert TORCH.refusal(parse_partial_plan(plan), module) == f"plan {parse_partial_plan(plan)}: {why}"
-    for runs in ("zero=0,dp=2", "zero=3", "zero=2,tp=2", "dp=2,tp=2,zero=0"):
+    for runs in ("zero=0,dp=2", "zero=1", "zero=3", "zero=2,tp=2", "dp=2,tp=2,zero=0", "dp=2,tp=2,zero=1", "dp=4,zero=2,dp_shard=2"):
         assert TORCH.refusal(parse_partial_plan(runs), module) is None, runs
     constraints = TORCH.constraints(module, max_tp=8, max_pp=8)
-    assert (constraints.zero_stages, constraints.max_tp, constraints.max_pp, constraints.allow_offload) == ((0, 2, 3), 8, 1, False)
+    assert (constraints.zero_stages, constraints.max_tp, constraints.max_pp, constraints.allow_offload) == ((0, 1, 2, 3), 8, 1, False)
     assert TORCH.job_refusal(require_offload=True, zero_stages=(0, 1, 2, 3)) == "torch runs no offload, and FleetStrategy(require_offload=True)"
-    assert TORCH.job_refusal(require_offload=False, zero_stages=(1,)) == "torch runs zero 0, 2 or 3, and FleetStrategy(zero_stages=(1,))"
-    assert TORCH.job_refusal(require_offload=False, zero_stages=(1, 3)) is None
+    assert TORCH.job_refusal(require_offload=False, zero_stages=(1,)) is None
     assert DEEPSPEED.job_refusal(require_offload=True, zero_stages=(3,)) is None
 
 

@@ -421,10 +421,10 @@ def test_a_fixed_shard_group_is_every_plans_group():
     assert {e.plan.dp for e in result.all_feasible} == {2, 4, 8}
     truth = [e for e in brute_force(model, cluster, every_group=True) if e.fits and e.plan.shard_degree == 2 and e.plan.zero]
     assert result.best.time.step_s == pytest.approx(min(e.time.step_s for e in truth), rel=1e-12)
-    with pytest.raises(PlanError, match="dp_shard=2 is not allowed here .allowed: none, as zero is 0 here"):
+    with pytest.raises(PlanError, match="dp_shard=2 is not allowed here .allowed: none, as zero is 0 here and hybrid"):
         narrow(Constraints(zero_stages=(0,)), parse_partial_plan("dp_shard=2"))
     with pytest.raises(PlanError, match="as this runtime runs no hybrid sharding"):
-        narrow(Constraints(hybrid_shard=False), parse_partial_plan("dp=4,dp_shard=2"))
+        narrow(Constraints(hybrid_zero_stages=()), parse_partial_plan("dp=4,dp_shard=2"))
 
 
 def test_a_fully_fixed_string_gives_exactly_that_plan():

@@ -26,14 +26,15 @@ PLANS = [
     "dp=2,zero=0",  # the planner's runtime: torch (zero=0 is priced alike on both; the tie goes to the first in the table)
     "dp=2,zero=0,mbs=2,recompute=full,runtime=torch",
     "dp=2,zero=0,runtime=deepspeed",
-    "dp=2,zero=1,mbs=2",
+    "dp=2,zero=1,mbs=2,runtime=deepspeed",
+    "dp=2,zero=1,mbs=2,runtime=torch",
     "dp=2,zero=2,mbs=4,runtime=deepspeed",
     "dp=2,zero=2,mbs=4,runtime=torch",
     "dp=2,zero=3,runtime=deepspeed",
     "dp=2,zero=3,mbs=2,recompute=full,runtime=torch",
     "dp=2,zero=2,offload=optimizer",
     "dp=2,zero=3,offload=optimizer+params",
-    "dp=2,zero=1,recompute=full",
+    "dp=2,zero=1,recompute=full,runtime=deepspeed",
     "dp=1,tp=2,zero=0,runtime=deepspeed",
     "dp=1,tp=2,zero=3,mbs=2,runtime=deepspeed",
     "dp=1,tp=2,zero=0,runtime=torch",
@@ -108,6 +109,13 @@ def test_checkpoint_round_trip_is_bitwise(plan, straight, resumed):
         assert torch.equal(tensor, b["state"][name]), f"{plan}: {name}"
 
 
+def test_zero_1_on_the_torch_runtime_holds_the_states_it_owns_and_hands_them_all_back(straight):
+    """Shard level 1 on torch: while training each of the 2 replicas' optimizers holds state for its share of the
+    parameters only (together all of them, about half each); after fit the user's optimizer holds every state."""
+    counts = straight[0]["dp=2,zero=1,mbs=2,runtime=torch"]["optimizer_states"]
+    assert 0 < counts["training"] < counts["params"] and counts["after"] == counts["params"], counts
+
+
 def test_torchrun_launch_and_automatic_plan(tmp_path, reference):
     """torchrun --nproc-per-node=2, no plan given: the strategy measures the machine, plans, prints, trains, logs."""
     results, log = run_worker(tmp_path, "--plans", "auto", "--steps", str(STEPS), "--gbs", str(GBS), torchrun=True,
@@ -133,9 +141,10 @@ def test_fleet_export_reads_the_torch_runtimes_checkpoints_whole(plan, resumed):
         torch.testing.assert_close(exported[name], tensor, atol=2e-5, rtol=0, msg=f"{plan}: {name}")
 
 
-WIDE_TORCH_PLANS = ["dp=2,tp=2,zero=0,runtime=torch", "dp=2,tp=2,zero=2,runtime=torch", "dp=2,tp=2,zero=3,mbs=2,runtime=torch",
+WIDE_TORCH_PLANS = ["dp=2,tp=2,zero=0,runtime=torch", "dp=2,tp=2,zero=1,runtime=torch", "dp=2,tp=2,zero=2,runtime=torch", "dp=2,tp=2,zero=3,mbs=2,runtime=torch",
                     "dp=4,zero=2,dp_shard=2,runtime=torch", "dp=4,zero=3,dp_shard=2,runtime=torch"]
-"""dp x tp on a (dp, tp) mesh of 4 processes: the engine's own all-reduce over dp at shard level 0, FSDP2 over dp above;
+"""dp x tp on a (dp, tp) mesh of 4 processes: the engine's own all-reduce over dp at shard levels 0 and 1 (there each
+replica steps and broadcasts the tp shards it owns), FSDP2 over dp above;
 and hybrid sharding (HSDP): FSDP2 over a (2 replicas, 2 shards) mesh."""
 HYBRID = WIDE_TORCH_PLANS.index("dp=4,zero=3,dp_shard=2,runtime=torch")
 

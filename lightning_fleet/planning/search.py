@@ -141,11 +141,11 @@ class Constraints:
     """Exact micro-batch size of each data-parallel replica of every plan (dp is its length, mbs its largest): the
     search plans the rest as for every replica running the largest (what the busiest device holds and computes), and
     the plans it returns are priced with the real sizes."""
-    hybrid_shard: bool = True
-    """Consider hybrid sharding (``Plan.dp_shard``): at zero >= 1, the shard group of one node's data-parallel ranks,
-    replicated across the groups (:func:`_shard_groups`)."""
+    hybrid_zero_stages: tuple[int, ...] = (1, 2, 3)
+    """ZeRO stages at which to consider hybrid sharding (``Plan.dp_shard``): the shard group of one node's
+    data-parallel ranks, replicated across the groups (:func:`_shard_groups`); empty: never."""
     dp_shard: int | None = None
-    """Exact shard group size of every plan at zero >= 1 (None: all of dp, or the groups ``hybrid_shard`` allows)."""
+    """Exact shard group size of every plan at zero >= 1 (None: all of dp, or the groups ``hybrid_zero_stages`` allows)."""
     sparse_zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     """ZeRO stages the runtime runs parameters with sparse gradients at (a runtime's
     ``Capabilities.sparse_grad_zero_stages``): a model with some (:attr:`ModelSpec.sparse_params`) is planned on these
@@ -154,7 +154,7 @@ class Constraints:
     def __post_init__(self) -> None:
         order = list(Recompute)  # none < selective < op < full, each never faster: the search relies on this order
         object.__setattr__(self, "recompute", tuple(sorted({Recompute(r) for r in self.recompute}, key=order.index)))
-        for name in ("zero_stages", "sparse_zero_stages"):
+        for name in ("zero_stages", "sparse_zero_stages", "hybrid_zero_stages"):
             for stage in getattr(self, name):
                 if stage not in (0, 1, 2, 3):
                     raise PlanError(f"constraint {name}: {stage!r} is not a ZeRO stage (0-3)")
@@ -297,11 +297,13 @@ def narrow(base: Constraints, partial: PartialPlan) -> Constraints:
     if partial.dp_shard is not None:
         if base.dp_shard not in (None, partial.dp_shard):
             raise refuse("dp_shard", partial.dp_shard, f"dp_shard={base.dp_shard}")
-        if not base.hybrid_shard and partial.dp_shard != partial.dp:
+        if not base.hybrid_zero_stages and partial.dp_shard != partial.dp:
             raise refuse("dp_shard", partial.dp_shard, "sharding over all of dp, as this runtime runs no hybrid sharding")
-        stages = tuple(z for z in changes.get("zero_stages", base.zero_stages) if z >= 1)  # type: ignore[attr-defined]
+        runs = (1, 2, 3) if partial.dp_shard == partial.dp else base.hybrid_zero_stages
+        stages = tuple(z for z in changes.get("zero_stages", base.zero_stages) if z in runs)  # type: ignore[attr-defined]
         if not stages:
-            raise refuse("dp_shard", partial.dp_shard, "none, as zero is 0 here and hybrid sharding needs zero >= 1")
+            raise refuse("dp_shard", partial.dp_shard, f"none, as zero is {_names(changes.get('zero_stages', base.zero_stages))} "  # type: ignore[arg-type]
+                         f"here and hybrid sharding runs at zero {_names(base.hybrid_zero_stages)}")
         changes["zero_stages"], changes["dp_shard"] = stages, partial.dp_shard
     return dataclasses.replace(base, **changes)  # type: ignore[arg-type]
 
@@ -546,10 +548,10 @@ def _shard_groups(layout: _Layout, zero: int, cons: Constraints, devices_per_nod
     in r groups) and only saves ring latency while holding more: neither is searched (a fixed ``dp_shard`` is the only
     group)."""
     if cons.dp_shard is not None:
-        if zero == 0 or layout.dp % cons.dp_shard:
+        if zero == 0 or layout.dp % cons.dp_shard or cons.dp_shard < layout.dp and zero not in cons.hybrid_zero_stages:
             return []
         return [None if cons.dp_shard == layout.dp else cons.dp_shard]
-    if zero == 0 or not cons.hybrid_shard:
+    if zero not in cons.hybrid_zero_stages:
         return [None]
     inside = [g for g in divisors(layout.dp) if 2 <= g < layout.dp and layout.tp * g <= devices_per_node]
     return [None, *inside[-1:]]

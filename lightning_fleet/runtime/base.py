@@ -168,9 +168,9 @@ class Capabilities:
     sparse_grad_zero_stages: tuple[int, ...]
     """ZeRO stages (shard levels) at which it runs parameters whose gradients are sparse: a module with some is planned
     on these only (``Constraints.sparse_zero_stages``), and a plan fixing another is refused."""
-    hybrid_shard: bool = False
-    """Runs hybrid sharding (``Plan.dp_shard``: the sharded state split within groups of replicas, replicated across
-    them) at its shard levels >= 1."""
+    hybrid_shard_zero_stages: tuple[int, ...] = ()
+    """Shard levels at which it runs hybrid sharding (``Plan.dp_shard``: the sharded state split within groups of
+    replicas, replicated across them); empty: none."""
 
     def constraints(
         self,
@@ -203,7 +203,7 @@ class Capabilities:
             zero_stages=self._runnable_stages(zero_stages),
             overlaps=self.overlaps,
             sparse_zero_stages=self.sparse_grad_zero_stages,
-            hybrid_shard=self.hybrid_shard,
+            hybrid_zero_stages=self.hybrid_shard_zero_stages,
         )
 
     def reshard_constraints(
@@ -247,8 +247,11 @@ class Capabilities:
             return f"plan {plan}: {self.label}'s pipeline engine runs {self._pipeline_limits()}"
         if plan.sp and not self.sequence_parallel or (plan.vpp or 1) > 1 and not self.interleaved_pipeline:
             return f"plan {plan}: {self.label} runs {self._missing_schedules()}"
-        if plan.dp_shard is not None and plan.dp_shard != plan.dp and not self.hybrid_shard:
-            return f"plan {plan}: {self.label} shards over all data-parallel replicas only (no hybrid sharding); leave dp_shard out"
+        if plan.dp_shard is not None and plan.dp_shard != plan.dp and zero not in self.hybrid_shard_zero_stages:
+            if not self.hybrid_shard_zero_stages:
+                return f"plan {plan}: {self.label} shards over all data-parallel replicas only (no hybrid sharding); leave dp_shard out"
+            return (f"plan {plan}: {self.label} runs hybrid sharding at zero {_either(self.hybrid_shard_zero_stages)} only; "
+                    "use one of them or leave dp_shard out")
         if plan.stage_layers is not None and len(set(plan.stage_layers)) > 1 and not self.uneven_stages:
             return f"plan {plan}: {self.label} splits the layers of a pipeline evenly only; leave stage_layers out"
         if plan.dp_mbs is not None:
@@ -399,7 +402,7 @@ ANY = Capabilities(
     # every shard level: the cost model prices sparse gradients by their rows at ZeRO-0 and dense above it
     # (planning/memory.py sparse_gradients_priced), whichever runtime would run them
     sparse_grad_zero_stages=(0, 1, 2, 3),
-    hybrid_shard=True,
+    hybrid_shard_zero_stages=(1, 2, 3),
 )
 """The cost model's whole space: every plan it can price, as if some runtime executed each (``fleet plan``'s default,
 for comparing layouts before choosing a runtime)."""

@@ -37,14 +37,16 @@ def eval_batch(dm: StdlibText) -> tuple[torch.Tensor, torch.Tensor]:
 
 class LocalParams(Callback):
     """This rank's parameter elements at the end of training, before the module is handed back (a DTensor's local shard;
-    DeepSpeed's engine module as it holds them)."""
+    DeepSpeed's engine module as it holds them), and how many parameters its torch optimizer holds state for."""
 
     local = 0
+    states = 0
 
     def on_train_end(self, trainer, pl_module) -> None:  # type: ignore[no-untyped-def]
         engine = trainer.strategy.engine
         module = getattr(engine, "module", engine)
         self.local = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in module.parameters())
+        self.states = len(getattr(trainer.optimizers[0], "state", {})) if trainer.optimizers else 0
 
 
 def full_state(trainer: Trainer, model: GPT) -> dict[str, torch.Tensor]:
@@ -113,6 +115,8 @@ def main() -> None:
                 "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
                 "world_size": trainer.world_size,
                 "local_params": counted.local,
+                "optimizer_states": {"training": counted.states, "after": len(trainer.optimizers[0].state),
+                                     "params": len(list(model.parameters()))},
             }
         )
     if int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))) == 0 and trainer.global_rank == 0:

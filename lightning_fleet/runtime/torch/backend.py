@@ -1,7 +1,8 @@
 """TorchBackend: a Decision applied with torch's own stack -- engine, micro-steps, save, load, hand-back.
 
 Shard level 0 is :class:`torch.nn.parallel.DistributedDataParallel` over the user's module (the module itself is never
-changed: DDP wraps it, and the end of fit unwraps it); tensor parallelism is DTensor's, shard levels 2 and 3 are FSDP2
+changed: DDP wraps it, and the end of fit unwraps it), shard level 1 the same with the optimizer states partitioned over
+the replicas (:mod:`lightning_fleet.runtime.torch.zero`); tensor parallelism is DTensor's, shard levels 2 and 3 are FSDP2
 over its layers and itself (:mod:`lightning_fleet.runtime.torch.engine`: in place, undone at the end of fit). Checkpoints go through torch.distributed.checkpoint
 (:mod:`lightning_fleet.runtime.torch.dcp`: every file read back by the restricted unpickler, checked against the
 manifest), with Lightning's client state (loops, callbacks, hyper-parameters) in one file rank 0 writes beside them and
@@ -14,9 +15,9 @@ Imports torch (torch.distributed at call time); imported by the runtime table on
 from __future__ import annotations
 
 import json
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Iterable, Mapping, Sequence
+from typing import Any, Callable, ContextManager, Iterable, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -55,6 +56,7 @@ class TorchBackend:
 
     def __init__(self) -> None:
         self._optimizers: list[Any] = []  # the optimizers of the engine being trained (saved and loaded with it)
+        self._sharded: list[Any] = []  # at shard level 1: each optimizer's ShardedStep (runtime/torch/zero.py)
         self._keys: list[str] = []  # the module's state_dict keys in order, before the engine changed it
 
     def config(
@@ -106,11 +108,11 @@ class TorchBackend:
         """(engine, ``optimizer``) on the live default process group: DistributedDataParallel over ``module`` at shard
         level 0 without tensor parallelism, else DTensor tensor parallelism and FSDP2 over its layers and itself
         (:mod:`lightning_fleet.runtime.torch.engine`)."""
-        self._optimizers = []  # this fit's (optimizer() adds them)
+        self._optimizers, self._sharded = [], []  # this fit's (optimizer() adds them)
         zero = int(config["zero"])
         if zero not in TORCH.zero_stages:
             raise FleetError(f"plan {plan}: the torch runtime runs zero {', '.join(map(str, TORCH.zero_stages))}; use runtime='deepspeed' for zero={zero}")
-        if zero >= 2 or plan.tp > 1:
+        if zero >= 2 or plan.tp > 1:  # (shard level 1 with tp: the engine's own dp reduction, then the sharded step)
             from lightning_fleet.runtime.torch.engine import apply
 
             return apply(module, layers, plan=plan, tensor_parallel=config["tensor_parallel"]), optimizer
@@ -120,8 +122,15 @@ class TorchBackend:
         return DistributedDataParallel(module, device_ids=device_ids), optimizer
 
     def optimizer(self, engine: Any, optimizer: Any, *, plan: Plan) -> Any:
-        """The optimizer the engine trains with (at shard level 0 the user's own), remembered for saving and loading."""
+        """The optimizer the engine trains with: the user's own, remembered for saving and loading; at shard level 1
+        with dp > 1 its ``step`` steps only the parameters this replica owns and broadcasts them (for the fit)."""
         self._optimizers.append(optimizer)
+        if plan.zero == 1 and plan.dp > 1:
+            from lightning_fleet.runtime.torch.zero import ShardedStep
+
+            sharded = ShardedStep(optimizer, getattr(engine, "dp_group", None))
+            sharded.install()
+            self._sharded.append(sharded)
         return optimizer
 
     def no_sync(self, engine: Any) -> ContextManager[Any]:
@@ -141,7 +150,8 @@ class TorchBackend:
         from lightning_fleet.runtime.torch.dcp import save_state
 
         directory = Path(directory)
-        model_state, optimizer_state = get_state_dict(_inner(engine), self._optimizers)
+        with self._states_held():
+            model_state, optimizer_state = get_state_dict(_inner(engine), self._optimizers)
         save_state(directory / DCP_DIR, {"model": model_state, "optimizer": optimizer_state})
         if _rank() == 0:
             kept = {k: v for k, v in client_state.items() if k not in _SKIPPED}
@@ -151,7 +161,13 @@ class TorchBackend:
              checkpoint: VerifiedCheckpoint | None) -> dict[str, Any]:
         """Load a checkpoint a torch engine wrote, at any world size (DCP reshards as it loads), and return the client
         state; every file is read by the restricted unpickler, checked against ``checkpoint``'s manifest when given."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+            set_state_dict,
+        )
 
         from lightning_fleet.runtime.torch.dcp import load_state
 
@@ -159,13 +175,34 @@ class TorchBackend:
         if not (directory / DCP_DIR).is_dir() or not (directory / CLIENT_FILE).is_file():
             raise FleetError(f"{directory} holds no checkpoint of the torch runtime (no {DCP_DIR}/ and {CLIENT_FILE}): point ckpt_path at a FleetCheckpoint step or a trainer.save_checkpoint dir of it")
         module = _inner(engine)
-        model_state, optimizer_state = get_state_dict(module, self._optimizers)
+        with self._states_held():
+            model_state, optimizer_state = get_state_dict(module, self._optimizers)
         state = {"model": model_state, "optimizer": optimizer_state} if optimizer_states else {"model": model_state}
         load_state(directory / DCP_DIR, state, checkpoint=checkpoint)
         options = StateDictOptions(strict=strict)
-        set_state_dict(module, self._optimizers, model_state_dict=state["model"],
-                       optim_state_dict=state.get("optimizer", optimizer_state), options=options)
+        if self._sharded:  # shard level 1: each rank loads the states of the parameters it owns, the others it does not hold
+            set_model_state_dict(module, state["model"], options=options)
+            if optimizer_states:
+                set_optimizer_state_dict(module, self._optimizers, state["optimizer"], options=StateDictOptions(strict=False))
+        else:
+            set_state_dict(module, self._optimizers, model_state_dict=state["model"],
+                           optim_state_dict=state.get("optimizer", optimizer_state), options=options)
+        for sharded in self._sharded:
+            sharded.owned_only()
         return load_file(directory / CLIENT_FILE, _entry(checkpoint, directory / CLIENT_FILE))
+
+    @contextmanager
+    def _states_held(self) -> Iterator[None]:
+        """Where DCP's get_state_dict may create missing optimizer state (its ``_init_optim_state``: a step with zero
+        gradients at lr 0), at shard level 1 each rank creates only the states it owns, with no broadcast (a rank that owns
+        none would otherwise wait alone): each rank saves, and loads, the states it holds."""
+        for sharded in self._sharded:
+            sharded.quiet = True
+        try:
+            yield
+        finally:
+            for sharded in self._sharded:
+                sharded.quiet = False
 
     def reshard(self, checkpoint: VerifiedCheckpoint) -> VerifiedCheckpoint:
         """Nothing to convert: DCP reshards as each rank loads."""
@@ -184,6 +221,8 @@ class TorchBackend:
     def hand_back_bytes(self, record: nn.Module) -> int:
         """Under DDP nothing to gather (the module holds the whole trained weights on every rank); under FSDP or tensor
         parallelism every parameter and optimizer state tensor whole, at its dtype (their DTensors' global shapes)."""
+        if self._sharded:  # shard level 1: the states of the parameters other replicas own, at this rank's bytes per element
+            return sum(sharded.unowned_bytes() for sharded in self._sharded)
         if not self._optimizers or not any(_is_dtensor(p) for p in record.parameters()):
             return 0
         tensors = {id(p): p for p in record.parameters()}
@@ -201,6 +240,10 @@ class TorchBackend:
         from lightning_fleet.runtime.torch.engine import ParallelEngine, release
 
         engine = strategy._fit.engine
+        for sharded in self._sharded:  # every replica holds every state again, the optimizer its own step
+            sharded.gather_states()
+            sharded.remove()
+        self._sharded = []
         if isinstance(engine, ParallelEngine):
             release(engine, self._optimizers)
         strategy.model = record

@@ -17,12 +17,16 @@ TORCH_OVERLAPS = Overlaps(
     # micro-batches) it reduces nothing, i.e. behind the last micro-batch's backward. FSDP2 (shard levels 2-3)
     # reduce-scatters each layer's gradients from its post-backward hook on a stream of its own
     # (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py post_backward -> foreach_reduce, reduce_scatter_stream)
-    dp_grad_reduce=(0, 2, 3),
+    # shard level 1 is DDP's reduction too (runtime/torch/zero.py): a full all-reduce, not a reduce-scatter
+    dp_grad_reduce=(0, 1, 2, 3),
     # FSDP2 all-gathers a layer's weights in its pre-forward (and at shard level 3 again in its pre-backward) on an
     # all-gather stream while the layer before computes, and prefetches the next layer's in backward
     # (_fsdp_param_group.py unshard(async_op), _fsdp_state.py _pre_forward / _fsdp_param_group.py _backward_prefetch);
     # at shard level 2 the updated shards are gathered by the next step's forward the same way, not inside step()
     dp_param_gather=(2, 3),
+    # shard level 1: DDP all-reduces every gradient; each owner broadcasts its updated parameters after the step,
+    # outside backward (runtime/torch/zero.py ShardedStep.broadcast), priced as the all-gather it equals
+    dp_grad_allreduce=(1,),
 )
 """What torch's DistributedDataParallel and FSDP2 run beside compute (on CPU/gloo the calibrated ``overlap`` says how
 much hides)."""
@@ -30,10 +34,10 @@ much hides)."""
 TORCH = Capabilities(
     name="torch",
     label="torch",
-    # shard level 0 is DistributedDataParallel, 2 and 3 FSDP2's fully_shard per layer and root with
-    # reshard_after_forward False/True (runtime/torch/backend.py, engine.py); 1 (ZeroRedundancyOptimizer) is not wired:
-    # its state_dict needs a consolidation on one rank that torch.distributed.checkpoint's get_state_dict does not do
-    zero_stages=(0, 2, 3),
+    # shard level 0 is DistributedDataParallel, 1 DDP with each replica stepping the parameters it owns and
+    # broadcasting them (ZeroRedundancyOptimizer's partition, on the user's optimizer object: runtime/torch/zero.py),
+    # 2 and 3 FSDP2's fully_shard per layer and root with reshard_after_forward False/True (backend.py, engine.py)
+    zero_stages=(0, 1, 2, 3),
     # DTensor's parallelize_module splits the layers fleet_tensor_parallel() names (runtime/torch/engine.py), on the tp
     # axis of a (dp, tp) mesh; FSDP2 shards over dp beside it, or at shard level 0 the engine all-reduces over dp
     tensor_parallel=True,
@@ -65,7 +69,7 @@ TORCH = Capabilities(
     # torch.distributed.checkpoint saves each tensor with its global shape (DDP: whole; FSDP2 and tensor parallelism:
     # DTensor shards) and loads it into whatever layout the loading engine has (get_state_dict / set_state_dict): any
     # world size, any of these shard levels, any tp
-    reshard_zero_stages=(0, 2, 3),
+    reshard_zero_stages=(0, 1, 2, 3),
     reshard_data_parallel_only=False,
     overlaps=TORCH_OVERLAPS,
     # DDP's reducer all-reduces sparse gradients (nn.Embedding(sparse=True)) as sparse tensors (reducer.cpp: "sparse
@@ -74,7 +78,7 @@ TORCH = Capabilities(
     # FSDP2's fully_shard over a 2-D (replicate, shard) mesh is HSDP (torch/distributed/fsdp/_fully_shard/_fully_shard.py:
     # "If 2D, then parameters are sharded across the 1st dim and replicated across the 0th dim (HSDP)"), at shard levels 2
     # and 3 (runtime/torch/engine.py)
-    hybrid_shard=True,
+    hybrid_shard_zero_stages=(2, 3),
 )
 """torch 2.13's own stack under strategy "fleet": DistributedDataParallel at shard level 0, FSDP2 at 2 and 3, DTensor
 tensor parallelism beside either."""

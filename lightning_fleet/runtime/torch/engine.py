@@ -53,9 +53,11 @@ class ParallelEngine(nn.Module):
     ``validation_step`` through it, as through DDP."""
 
     def __init__(self, module: nn.Module, classes: dict[nn.Module, type], hooks: dict[nn.Module, dict[str, set[int]]],
-                 reduction: "_DataParallelReduction | None") -> None:
+                 reduction: "_DataParallelReduction | None", dp_group: Any) -> None:
         super().__init__()
         self.module = module
+        self.dp_group = dp_group
+        """The data-parallel process group of this rank (shard level 1 partitions the optimizer states over it)."""
         self.classes = classes
         """Each module FSDP changed, with its own class (what :func:`release` gives back)."""
         self.hooks = hooks
@@ -99,7 +101,7 @@ def apply(module: nn.Module, layers: Sequence[nn.Module] | None, *, plan: Plan, 
             fully_shard(target, mesh=dp_mesh, reshard_after_forward=plan.zero >= 3)
     elif plan.dp > 1:
         reduction = _DataParallelReduction(module, dp_mesh.get_group(), plan.dp)
-    return ParallelEngine(module, classes, hooks, reduction)
+    return ParallelEngine(module, classes, hooks, reduction, dp_mesh.get_group() if plan.dp_shard is None else None)
 
 
 def _split(module: nn.Module, patterns: TensorParallelSpec | None, tp_mesh: Any) -> None:
