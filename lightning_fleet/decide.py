@@ -174,6 +174,8 @@ def decide(
     if partial.zero is not None and partial.zero not in options.zero_stages:  # the job's own contradiction, whatever the runtime
         raise FleetError(f"plan {partial}: zero={partial.zero} is outside zero_stages={tuple(options.zero_stages)}")
     notes = [*cluster_notes, *notes]
+    if resume.kind is ResumeKind.CONTINUE and _switches_runtime(partial, runtimes, resume):
+        resume = replace(resume, kind=ResumeKind.RESHARD)  # another runtime continues it: imported, then planned afresh
     if resume.kind is ResumeKind.CONTINUE:
         capabilities = checkpoint_runtime(resume, runtimes)
         chosen, result = _continued(module, cluster, partial, options, capabilities, resume), None
@@ -214,19 +216,39 @@ def _planned(
     return result.best, result
 
 
+def _switches_runtime(partial: PartialPlan, runtimes: tuple[Capabilities, ...], resume: Resume) -> bool:
+    """Another runtime than the one that wrote the checkpoint to continue must train (the plan fixes it, or the job may
+    not use the writer), and one the job may use imports the writer's checkpoints."""
+    writer = _writer(resume)
+    if partial.runtime == writer or partial.runtime is None and writer in {caps.name for caps in runtimes}:
+        return False
+    return any(writer in caps.imports and partial.runtime in (None, caps.name) for caps in runtimes)
+
+
+def _writer(resume: Resume) -> str:
+    """The name of the runtime that wrote the checkpoint ``resume`` continues."""
+    assert resume.manifest is not None
+    return parse_partial_plan(resume.manifest.plan or "").runtime or LEGACY_RUNTIME
+
+
 def _allowed_runtimes(partial: PartialPlan, runtimes: tuple[Capabilities, ...], resume: Resume) -> tuple[Capabilities, ...]:
-    """The runtimes the job may use here: the one the plan fixes (``runtime=``), the one that wrote a checkpoint to be
-    resharded (a checkpoint is resharded by its own runtime), or all of ``runtimes``."""
+    """The runtimes the job may use here: the one the plan fixes (``runtime=``); for a checkpoint to be resharded the
+    runtime that wrote it first (it wins a tie), then those that import its checkpoints (``Capabilities.imports``);
+    else all of ``runtimes``."""
     names = [caps.name for caps in runtimes]
     if resume.kind is ResumeKind.RESHARD:
-        runtimes = (checkpoint_runtime(resume, runtimes),)
+        writer = _writer(resume)
+        importers = tuple(caps for caps in runtimes if writer in caps.imports)
+        own = tuple(caps for caps in runtimes if caps.name == writer)
+        runtimes = (*own, *importers) if own or importers else (checkpoint_runtime(resume, runtimes),)
     if partial.runtime is None:
         return runtimes
     if partial.runtime not in names:
         raise FleetError(f"plan {partial} fixes runtime={partial.runtime}, which this job may not use (it may use {', '.join(names)})")
     kept = tuple(caps for caps in runtimes if caps.name == partial.runtime)
     if not kept:
-        raise FleetError(f"plan {partial} fixes runtime={partial.runtime}, but checkpoint {resume.path} is resharded by its own runtime, {runtimes[0].name}")
+        raise FleetError(f"plan {partial} fixes runtime={partial.runtime}, which cannot continue checkpoint {resume.path} "
+                         f"(written by {_writer(resume)}; {', '.join(c.name for c in runtimes)} can)")
     return kept
 
 
@@ -256,8 +278,7 @@ def _executing(
 def checkpoint_runtime(resume: Resume, runtimes: tuple[Capabilities, ...]) -> Capabilities:
     """The runtime that wrote the checkpoint ``resume`` continues (its plan's ``runtime``; DeepSpeed for checkpoints
     written before plans named one), which must be among the job's ``runtimes``."""
-    assert resume.manifest is not None
-    name = parse_partial_plan(resume.manifest.plan or "").runtime or LEGACY_RUNTIME
+    name = _writer(resume)
     for caps in runtimes:
         if caps.name == name:
             return caps

@@ -47,7 +47,17 @@ from lightning_fleet.calibrate.measure import (  # noqa: E402
 )
 from lightning_fleet.calibrate.measure import RANK_PROBE_S  # noqa: E402
 from lightning_fleet.data import TrainingData, example_batch, inspect_training_loader, step_loader  # noqa: E402
-from lightning_fleet.decide import Decision, JobOptions, ModuleFacts, Resume, ResumeKind, decide, job_global_batch_size, resume_of  # noqa: E402
+from lightning_fleet.decide import (  # noqa: E402
+    LEGACY_RUNTIME,
+    Decision,
+    JobOptions,
+    ModuleFacts,
+    Resume,
+    ResumeKind,
+    decide,
+    job_global_batch_size,
+    resume_of,
+)
 from lightning_fleet.elastic.callback import NON_FINITE_POLICIES, FleetCheckpoint, NonFiniteGuard  # noqa: E402
 from lightning_fleet.elastic.checkpoint import VerifiedCheckpoint  # noqa: E402
 from lightning_fleet.elastic.safe_load import load_file  # noqa: E402
@@ -67,7 +77,7 @@ from lightning_fleet.elastic.worker import (  # noqa: E402
 )
 from lightning_fleet.export import lightning_checkpoint  # noqa: E402
 from lightning_fleet.hooks import find_layers, module_hooks, tensor_parallel_hook  # noqa: E402
-from lightning_fleet.planning import ClusterSpec, Estimate, FleetError, ModelSpec, Plan, PlanError, Precision, load_cluster  # noqa: E402
+from lightning_fleet.planning import ClusterSpec, Estimate, FleetError, ModelSpec, Plan, PlanError, Precision, load_cluster, parse_partial_plan  # noqa: E402
 from lightning_fleet.planning.cluster import GIB  # noqa: E402
 from lightning_fleet.planning.plan import parse_partial_plan, share_weight  # noqa: E402
 from lightning_fleet.calibrate.ranks import rebalance_by  # noqa: E402
@@ -498,7 +508,7 @@ class FleetStrategy(DDPStrategy):
         if resume.kind is ResumeKind.RESHARD:
             assert resume.path is not None and resume.manifest is not None
             verified = VerifiedCheckpoint(Path(resume.path), resume.manifest)
-            self._fit.universal = self._on_rank_zero(lambda: self.backend.reshard(verified))
+            self._fit.universal = self._on_rank_zero(lambda: self._converted(verified))
         module = self.lightning_module
         tp = tensor_parallel_hook(module)
         self._fit.runtime_config = self.backend.config(
@@ -510,6 +520,16 @@ class FleetStrategy(DDPStrategy):
         )
         for obj, name, value in self.backend.module_patches(module, decision.plan, find_layers(module), self.precision_plugin):
             self._patch(obj, name, value)
+
+    def _converted(self, checkpoint: VerifiedCheckpoint) -> VerifiedCheckpoint:
+        """Rank 0: the checkpoint to reshard in the form this fit's runtime loads: converted by that runtime when it wrote
+        it; else its whole state exported by the runtime that did and imported by this one (each listed in the
+        manifest once)."""
+        writer = parse_partial_plan(checkpoint.manifest.plan or "").runtime or LEGACY_RUNTIME
+        if writer == self.backend.capabilities.name:
+            return self.backend.reshard(checkpoint)
+        exported = runtime_named(writer).load_backend().export_state(checkpoint)
+        return self.backend.import_state(checkpoint, exported)
 
     def _build_engine(self, model: Any, optimizer: Any, lr_scheduler: Any = None) -> tuple[Any, Any]:
         """The runtime's engine over the module (recorded first: what the end of fit hands back)."""
@@ -870,7 +890,8 @@ class FleetStrategy(DDPStrategy):
         engine = self.engine
         if resume.kind is ResumeKind.RESHARD:
             assert self._fit.universal is not None
-            state = self.backend.load(engine, self.backend.derived_of(path), optimizer_states=True, strict=strict, checkpoint=self._fit.universal)
+            state = self.backend.load(engine, self.backend.derived_of(self._fit.universal), optimizer_states=True, strict=strict,
+                                      checkpoint=self._fit.universal)
             how = f"resharded from {manifest.world_size} to {self.world_size} processes, {manifest.plan} -> {self.plan}"
         else:
             checkpoint = VerifiedCheckpoint(path, manifest)

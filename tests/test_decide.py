@@ -251,12 +251,19 @@ def test_a_checkpoint_continues_on_the_runtime_that_wrote_it():
     for written, expected in ((text, "deepspeed"), (text + ",runtime=torch", "torch")):
         resume = resume_of("/c/step-000000007", manifest(written, 8), 8)
         assert run_both(facts(), resume=resume).runtime == expected
-    resume = resume_of("/c/step-000000007", manifest(text + ",runtime=torch", 8), 8)
-    with pytest.raises(FleetError) as err:
-        run(facts(), resume=resume)
-    assert str(err.value) == (
-        "checkpoint /c/step-000000007 was written by the torch runtime, which this job does not use (it may use "
-        "deepspeed): allow FleetStrategy(runtime='torch') or 'auto' to continue it"
-    )
     resharded = resume_of("/c/step-000000007", manifest(text + ",runtime=torch", 4), 8)
-    assert run_both(facts(), resume=resharded).runtime == "torch"  # a checkpoint is resharded by its own runtime
+    assert run_both(facts(), resume=resharded).runtime == "torch"  # its own runtime first: it wins a tie
+
+
+def test_a_checkpoint_moves_to_the_other_runtime_when_the_job_fixes_it_or_may_not_use_its_writer():
+    """The other runtime imports it (its whole state, at the same world size too): the decision reshards, planned with
+    the importer's resharding constraints (DeepSpeed's: data-parallel, ZeRO 1-3)."""
+    text = "dp=8,tp=1,pp=1,zero=0,mbs=1,gas=4,recompute=none,sp=false,vpp=1,offload=none"
+    torch_written = resume_of("/c/step-000000007", manifest(text + ",runtime=torch", 8), 8)
+    only_deepspeed = run(facts(), resume=torch_written)  # the job may use DeepSpeed only
+    assert only_deepspeed.runtime == "deepspeed" and only_deepspeed.resume.kind is ResumeKind.RESHARD
+    assert only_deepspeed.plan.zero in (1, 2, 3) and only_deepspeed.plan.tp == only_deepspeed.plan.pp == 1
+    fixed = run_both(facts(), resume=resume_of("/c/step-000000007", manifest(text, 8), 8), plan="runtime=torch")
+    assert fixed.runtime == "torch" and fixed.resume.kind is ResumeKind.RESHARD
+    kept = run_both(facts(), resume=torch_written, plan="runtime=torch")
+    assert kept.runtime == "torch" and kept.resume.kind is ResumeKind.CONTINUE

@@ -423,3 +423,24 @@ def test_scale_up_when_an_agent_joins(tmp_path):
     assert result["plan"].startswith("dp=2,")
     joined = [json.loads(line)["step"] for line in (tmp_path / "consumed-rank1.jsonl").read_text().splitlines()]
     assert min(joined) < 30 - 5, "the second agent joined too late to train with the first"
+
+
+def test_a_checkpoint_moves_between_runtimes_through_its_full_state_and_loses_nothing(tmp_path):
+    """DeepSpeed ZeRO-2 on 2 processes -> torch FSDP2 (level 3) on 1 -> DeepSpeed ZeRO-1 on 2 -> torch DDP on 2 (the same
+    world: the plan fixes the other runtime): each relaunch exports the newest checkpoint's whole state from the runtime
+    that wrote it (DeepSpeed: its universal form; torch: its DCP save) and imports it into the other's form beside it,
+    listed in its manifest; the final weights equal the one-process reference within 2e-5."""
+    for steps, nproc, plan in ((3, 2, "dp=2,zero=2,runtime=deepspeed"), (5, 1, "zero=3,runtime=torch"),
+                               (7, 2, "dp=2,zero=1,runtime=deepspeed"), (10, 2, "dp=2,zero=0,runtime=torch")):
+        job = launch(tmp_path, "--steps", str(steps), "--every", "2", "--plan", plan, restarts=0, nproc=nproc)
+        assert finish(job) == 0, (tmp_path / "launch.log").read_text()[-3000:]
+    log = (tmp_path / "launch.log").read_text()
+    assert "resharded from 2 to 1 processes, dp=2,tp=1,pp=1,zero=2," in log and ",runtime=deepspeed -> dp=1," in log
+    assert "resharded from 1 to 2 processes, dp=1,tp=1,pp=1,zero=3," in log
+    assert "resharded from 2 to 2 processes, dp=2,tp=1,pp=1,zero=1," in log
+    result = torch.load(tmp_path / "final.pt", weights_only=False)
+    assert result["plan"].startswith("dp=2,tp=1,pp=1,zero=0,") and result["plan"].endswith(",runtime=torch")
+    ref_loss, ref_state = reference_run(10, GBS)
+    assert result["global_step"] == 10 and result["eval_loss"] == pytest.approx(ref_loss, rel=1e-5)
+    for name, tensor in result["state"].items():
+        torch.testing.assert_close(tensor, ref_state[name], atol=2e-5, rtol=0, msg=name)

@@ -231,3 +231,25 @@ def test_a_resume_reads_the_manifest_once_and_hashes_each_file_once(tmp_path, mo
     again = fit(tmp_path)  # the same max_steps: it resumes, trains nothing and saves nothing
     assert again.strategy.resumed_from == newest and again.global_step == 2
     assert sorted(hashed) == sorted(listed) and len(parsed) == 1
+
+
+@pytest.mark.pure
+@pytest.mark.parametrize(("optimizer", "message"), [
+    ({"state": {"w": {"step": torch.tensor(1.0), "exp_avg": torch.zeros(2), "exp_avg_sq": torch.zeros(2)}},
+      "param_groups": [{"lr": 0.1, "params": ["w"]}, {"lr": 0.1, "params": []}]},
+     "the checkpoint's optimizer has 2 parameter groups; DeepSpeed's universal form continues one group only: relaunch "
+     "with the runtime that wrote it"),
+    ({"state": {"w": {"momentum_buffer": torch.zeros(2)}}, "param_groups": [{"lr": 0.1, "params": ["w"]}]},
+     "the checkpoint's optimizer state of w is not Adam's (it holds momentum_buffer); DeepSpeed's universal form holds "
+     "exp_avg and exp_avg_sq: relaunch with the runtime that wrote it"),
+])
+def test_a_state_deepspeed_cannot_import_is_one_line_and_writes_nothing(tmp_path, optimizer, message):
+    """A torch checkpoint whose optimizer DeepSpeed's universal form cannot hold (several groups, SGD's momentum) is
+    refused before anything is written."""
+    from lightning_fleet.runtime.base import FullState
+    from lightning_fleet.runtime.deepspeed.universal import _universal_from_state
+
+    state = FullState(model={"w": torch.ones(2)}, optimizer=optimizer, client={"global_step": 3})
+    with pytest.raises(FleetError) as err:
+        _universal_from_state(state, tmp_path / "out", 2)
+    assert str(err.value) == message and not (tmp_path / "out").exists()

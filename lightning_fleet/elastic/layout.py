@@ -162,7 +162,18 @@ def universal_dir(step_dir: Path) -> Path:
     return step_dir / UNIVERSAL
 
 
-DERIVED = (UNIVERSAL,)
+IMPORTED = "imported"
+"""A step dir's subdirectory holding the checkpoint in the form of a runtime other than the one that wrote it (its full
+state imported, :meth:`lightning_fleet.runtime.base.Backend.import_state`), when that runtime's own derived form is not
+:data:`UNIVERSAL`."""
+
+
+def imported_dir(step_dir: Path) -> Path:
+    """Where a checkpoint imported into another runtime's form lives."""
+    return step_dir / IMPORTED
+
+
+DERIVED = (UNIVERSAL, IMPORTED)
 """Subdirectories of a step dir that are written after its commit and listed in its manifest once complete."""
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 """A manifest larger than this is not one FleetCheckpoint wrote (it lists each file in about 150 bytes)."""

@@ -19,7 +19,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Mapping, Protocol, Sequence
 
 from lightning_fleet.planning import Constraints, FleetError, Offload, Overlaps, PartialPlan, Plan, Recompute
 from lightning_fleet.planning.plan import DEFAULT_ORDER, field_text
@@ -168,6 +168,10 @@ class Capabilities:
     sparse_grad_zero_stages: tuple[int, ...]
     """ZeRO stages (shard levels) at which it runs parameters whose gradients are sparse: a module with some is planned
     on these only (``Constraints.sparse_zero_stages``), and a plan fixing another is refused."""
+    imports: tuple[str, ...] = ()
+    """The runtimes whose checkpoints it continues through their full state (:class:`FullState`: each exports its own,
+    this one imports it into its own form), so that a job may change runtime when it resumes; those runtimes' own
+    limits on what they export apply (``reshard_data_parallel_only``)."""
     hybrid_shard_zero_stages: tuple[int, ...] = ()
     """Shard levels at which it runs hybrid sharding (``Plan.dp_shard``: the sharded state split within groups of
     replicas, replicated across them); empty: none."""
@@ -408,6 +412,22 @@ ANY = Capabilities(
 for comparing layouts before choosing a runtime)."""
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FullState:
+    """A checkpoint's whole state in no runtime's layout: what one runtime exports and another imports
+    (:meth:`Backend.export_state`, :meth:`Backend.import_state`). The tensors are whole, named as the module names them
+    (``state_dict()`` keys), in torch.distributed.checkpoint.state_dict's form."""
+
+    model: Mapping[str, Any]
+    """The module's state: every parameter (full precision where the runtime keeps a master copy) and persistent
+    buffer, by ``state_dict()`` key."""
+    optimizer: Mapping[str, Any]
+    """The optimizer's state keyed by parameter name: ``{"state": {name: {"step", "exp_avg", ...}}, "param_groups":
+    [{..., "params": [name, ...]}]}``."""
+    client: Mapping[str, Any]
+    """What Lightning saved besides weights and optimizer states (loops, callbacks, schedulers, hyper-parameters)."""
+
+
 class Backend(Protocol):
     """How a runtime applies a Decision; the Lightning faces (lightning_fleet/strategy.py) call only these.
 
@@ -486,8 +506,19 @@ class Backend(Protocol):
         which is then listed in its manifest (the returned checkpoint carries that manifest)."""
         ...
 
-    def derived_of(self, step: Path) -> Path:
-        """Where a resharded checkpoint is loaded from (:meth:`reshard`'s converted form, or the state itself)."""
+    def export_state(self, checkpoint: VerifiedCheckpoint) -> FullState:
+        """Rank 0, offline: the whole state of a checkpoint this runtime wrote (every file read by the restricted
+        unpickler, checked against the manifest), for another runtime to import."""
+        ...
+
+    def import_state(self, checkpoint: VerifiedCheckpoint, state: FullState) -> VerifiedCheckpoint:
+        """Rank 0: ``state`` (another runtime's checkpoint, :meth:`export_state`) written once into this runtime's own
+        form beside it and listed in its manifest; :meth:`derived_of` then names it."""
+        ...
+
+    def derived_of(self, checkpoint: VerifiedCheckpoint) -> Path:
+        """Where a resharded or imported checkpoint is loaded from (the converted form its manifest lists, or the state
+        itself)."""
         ...
 
     def record(self, module: Any) -> Any:

@@ -20,13 +20,13 @@ import torch
 from lightning_fleet.elastic.checkpoint import VerifiedCheckpoint
 from lightning_fleet.elastic.layout import TAG, state_dir, universal_dir
 from lightning_fleet.planning import FleetError, Plan, Precision, Recompute, parse_plan
-from lightning_fleet.runtime.base import ENGINE_CHECK, Capabilities, TensorParallelSpec
+from lightning_fleet.runtime.base import ENGINE_CHECK, Capabilities, FullState, TensorParallelSpec
 from lightning_fleet.runtime.common import checkpointed_forward, engine_zeroes_gradients
 from lightning_fleet.runtime.deepspeed.capabilities import DEEPSPEED
 from lightning_fleet.runtime.deepspeed.checked_engine import checked_loads
 from lightning_fleet.runtime.deepspeed.config import deepspeed_config
 from lightning_fleet.runtime.deepspeed.pipeline import build_pipeline, local_optimizer, micro_batch_iterator, sync_stage_weights
-from lightning_fleet.runtime.deepspeed.universal import make_universal
+from lightning_fleet.runtime.deepspeed.universal import make_universal, state_of_universal, universal_from_state
 from lightning_fleet.runtime.deepspeed.weights import ModuleRecord, record_module, restore_module, write_layout
 
 
@@ -185,9 +185,19 @@ class DeepSpeedBackend:
         source = parse_plan(checkpoint.manifest.plan or "")
         return make_universal(checkpoint, source.zero)
 
-    def derived_of(self, step: Path) -> Path:
-        """Where :meth:`reshard` puts a checkpoint's resharded form."""
-        return universal_dir(step)
+    def export_state(self, checkpoint: VerifiedCheckpoint) -> FullState:
+        """Rank 0: the whole state of a data-parallel DeepSpeed checkpoint, read from its universal form (converted
+        once, listed in its manifest): fp32 masters as the weights, Adam's moments, Lightning's client state."""
+        return state_of_universal(self.reshard(checkpoint))
+
+    def import_state(self, checkpoint: VerifiedCheckpoint, state: FullState) -> VerifiedCheckpoint:
+        """Rank 0: another runtime's checkpoint as a universal form beside it (listed in its manifest), which ZeRO 1-3
+        load at any data-parallel size."""
+        return universal_from_state(checkpoint, state)
+
+    def derived_of(self, checkpoint: VerifiedCheckpoint) -> Path:
+        """Where :meth:`reshard` and :meth:`import_state` put a checkpoint's universal form."""
+        return universal_dir(checkpoint.path)
 
     def record(self, module: torch.nn.Module) -> ModuleRecord:
         """What the module is before the engine replaces, partitions or hooks it (what :meth:`hand_back` restores)."""

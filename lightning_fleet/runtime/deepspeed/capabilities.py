@@ -99,5 +99,8 @@ DEEPSPEED = Capabilities(
     # (measured: zero=1 "unsupported memory format option Contiguous", zero=2 "Could not run 'aten::view' with arguments
     # from the 'SparseCPU' backend", zero=3 "copy_() between dense and sparse Tensors is not implemented")
     sparse_grad_zero_stages=(0,),
+    # a torch checkpoint's full state (DCP's whole tensors and Adam moments by parameter name) is written as the
+    # universal form (runtime/deepspeed/universal.py universal_from_state), which ZeRO 1-3 load at any data-parallel size
+    imports=("torch",),
 )
 """Stock DeepSpeed 0.19.8 under strategy "fleet": ZeRO 0-3, optimizer/parameter offload, AutoTP, its pipeline engine."""

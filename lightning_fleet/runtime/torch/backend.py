@@ -15,6 +15,7 @@ Imports torch (torch.distributed at call time); imported by the runtime table on
 from __future__ import annotations
 
 import json
+import shutil
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Iterable, Iterator, Mapping, Sequence
@@ -22,13 +23,13 @@ from typing import Any, Callable, ContextManager, Iterable, Iterator, Mapping, S
 import torch
 from torch import nn
 
-from lightning_fleet.elastic.checkpoint import VerifiedCheckpoint, write_atomic
+from lightning_fleet.elastic.checkpoint import VerifiedCheckpoint, fsync_path, fsync_tree, list_derived, make_dir, seal_tree, write_atomic
 from lightning_fleet.elastic.layout import CLIENT as CLIENT_FILE
-from lightning_fleet.elastic.layout import DCP_DIR, EXPORT_LAYOUT, state_dir
+from lightning_fleet.elastic.layout import DCP_DIR, EXPORT_LAYOUT, IMPORTED, derived_listed, imported_dir, state_dir, tmp_name
 from lightning_fleet.elastic.safe_load import load_file
 from lightning_fleet.planning import FleetError, Plan, Precision
 from lightning_fleet.runtime import runtime_named
-from lightning_fleet.runtime.base import REPLICATED_CHECK, SHARDED_CHECK, Capabilities, TensorParallelSpec
+from lightning_fleet.runtime.base import REPLICATED_CHECK, SHARDED_CHECK, Capabilities, FullState, TensorParallelSpec
 from lightning_fleet.runtime.common import checkpointed_forward, engine_zeroes_gradients, save_atomic
 from lightning_fleet.runtime.torch.capabilities import TORCH
 
@@ -208,9 +209,43 @@ class TorchBackend:
         """Nothing to convert: DCP reshards as each rank loads."""
         return checkpoint
 
-    def derived_of(self, step: Path) -> Path:
-        """A resharded checkpoint loads from where it was saved."""
-        return state_dir(step)
+    def export_state(self, checkpoint: VerifiedCheckpoint) -> FullState:
+        """Rank 0, one process: the whole DCP save of a torch checkpoint (every file checked against the manifest and
+        read by the restricted unpickler) and its client state."""
+        from lightning_fleet.runtime.torch.dcp import read_full
+
+        directory = state_dir(checkpoint.path)
+        state = read_full(directory / DCP_DIR, checkpoint=checkpoint)
+        client = load_file(directory / CLIENT_FILE, _entry(checkpoint, directory / CLIENT_FILE))
+        return FullState(model=state.get("model") or {}, optimizer=state.get("optimizer") or {}, client=client)
+
+    def import_state(self, checkpoint: VerifiedCheckpoint, state: FullState) -> VerifiedCheckpoint:
+        """Rank 0, one process: another runtime's checkpoint written once beside it as a torch one (a DCP save of its
+        whole tensors, which every layout of this runtime loads, and its client state), then listed in its manifest;
+        a kill midway leaves an unlisted temporary directory that is never loaded."""
+        from lightning_fleet.runtime.torch.dcp import save_state
+
+        step, manifest = checkpoint.path, checkpoint.manifest
+        if derived_listed(manifest, IMPORTED):
+            return checkpoint
+        target, tmp = imported_dir(step), step / tmp_name(IMPORTED)
+        for stale in (tmp, target):
+            shutil.rmtree(stale, ignore_errors=True)
+        make_dir(tmp, 0o700)
+        save_state(tmp / DCP_DIR, {"model": dict(state.model), "optimizer": dict(state.optimizer)}, alone=True)
+        save_atomic(dict(state.client), tmp / CLIENT_FILE)
+        seal_tree(tmp)
+        fsync_tree(tmp)
+        tmp.rename(target)
+        fsync_path(step)
+        return VerifiedCheckpoint(step, list_derived(step, manifest, IMPORTED))
+
+    def derived_of(self, checkpoint: VerifiedCheckpoint) -> Path:
+        """A resharded torch checkpoint loads from where it was saved (DCP reshards as it loads); another runtime's,
+        from its imported form."""
+        if derived_listed(checkpoint.manifest, IMPORTED):
+            return imported_dir(checkpoint.path)
+        return state_dir(checkpoint.path)
 
     def record(self, module: nn.Module) -> nn.Module:
         """The module itself (DDP wraps it; what FSDP and tensor parallelism change, the hand-back undoes), and its

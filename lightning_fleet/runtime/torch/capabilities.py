@@ -79,6 +79,9 @@ TORCH = Capabilities(
     # "If 2D, then parameters are sharded across the 1st dim and replicated across the 0th dim (HSDP)"), at shard levels 2
     # and 3 (runtime/torch/engine.py)
     hybrid_shard_zero_stages=(2, 3),
+    # a DeepSpeed checkpoint's full state (its universal form: fp32 weights and Adam moments by parameter name) is
+    # written as a DCP checkpoint beside it (runtime/torch/backend.py import_state)
+    imports=("deepspeed",),
 )
 """torch 2.13's own stack under strategy "fleet": DistributedDataParallel at shard level 0, FSDP2 at 2 and 3, DTensor
 tensor parallelism beside either."""

@@ -55,14 +55,14 @@ _NO_PROCESS_GROUP = "torch.distributed is disabled, unavailable or uninitialized
 # --- the three calls ---------------------------------------------------------------------------------------------------
 
 
-def save_state(directory: Path, state: dict[str, Any]) -> None:
+def save_state(directory: Path, state: dict[str, Any], *, alone: bool = False) -> None:
     """Save ``state`` (a nested dict of tensors, DTensors or ShardedTensors and plain Python values, e.g.
     ``{"model": ..., "optimizer": ...}`` from ``get_state_dict``) into ``directory`` with DCP: collective over the
     default process group (every rank writes its own ``__<rank>_0.distcp``, rank 0 the ``.metadata``), or one process
-    when there is none."""
+    when there is none or ``alone`` (whole tensors this process holds, e.g. another runtime's checkpoint imported)."""
     writer = FileSystemWriter(directory, single_file_per_rank=True, sync_files=True, thread_count=1)
     with _quiet(), _one_line(directory, "save"):
-        dcp.save(state, storage_writer=writer, no_dist=not _distributed())
+        dcp.save(state, storage_writer=writer, no_dist=alone or not _distributed())
 
 
 def load_state(directory: Path, state: dict[str, Any], *, checkpoint: VerifiedCheckpoint | None) -> None:
