@@ -13,7 +13,9 @@ malformed answer is a FleetError naming the hook and the shape it must return.
     (grouped-query attention) and ``"head_dim"``, else read from a Hugging Face style ``config`` on the module or one
     of its submodules (``num_key_value_heads``, ``head_dim``), else ``num_heads`` and width / ``num_heads``.
     :func:`tensor_parallel_limits` says, per split layer, which degrees can split it (its heads or features; a fused
-    query/key/value weight or a layer that is not an ``nn.Linear`` cannot be split).
+    query/key/value weight or a layer that is not an ``nn.Linear`` cannot be split). Optionally ``"sequence"``:
+    regexes over the parameter names of the modules inside the layer stack that run on sequence shards under sequence
+    parallelism (the norms): with them a runtime that runs it may plan sp=true (:func:`sequence_parallel_layout`).
 ``fleet_pipeline()``
     ``{"layers": [nn.Module, ...], "loss_fn": fn(last_output, labels)}``: the forward pass as a sequence (each layer
     takes the previous one's output alone: :data:`PIPELINE_SHAPE`) and the loss; a training batch is then
@@ -68,7 +70,7 @@ def tensor_parallel_hook(module: nn.Module) -> tuple[int, TensorParallelSpec] | 
 
 
 def _patterns(spec: dict[str, Any]) -> TensorParallelSpec:
-    return TensorParallelSpec(column=tuple(spec["column"]), row=tuple(spec["row"]))
+    return TensorParallelSpec(column=tuple(spec["column"]), row=tuple(spec["row"]), sequence=tuple(spec.get("sequence") or ()))
 
 
 def _tensor_parallel_answer(module: nn.Module) -> dict[str, Any] | None:
@@ -77,11 +79,12 @@ def _tensor_parallel_answer(module: nn.Module) -> dict[str, Any] | None:
     if not callable(hook):
         return None
     spec = hook()
-    shape = "{'num_heads': int, 'column': [regex...], 'row': [regex...]} (optional 'num_kv_heads': int, 'head_dim': int)"
+    shape = ("{'num_heads': int, 'column': [regex...], 'row': [regex...]} (optional 'num_kv_heads': int, 'head_dim': int, "
+             "'sequence': [regex...])")
     try:
         heads = int(spec["num_heads"])
         optional = [int(spec[key]) for key in ("num_kv_heads", "head_dim") if spec.get(key) is not None]
-        for pattern in (*spec["column"], *spec["row"]):
+        for pattern in (*spec["column"], *spec["row"], *(spec.get("sequence") or ())):
             re.compile(pattern)
     except (KeyError, TypeError, ValueError, AttributeError, re.error):
         raise FleetError(f"{type(module).__name__}.fleet_tensor_parallel() must return {shape}") from None
@@ -245,6 +248,69 @@ def _kinds(layers: list[nn.Module]) -> str:
     return ", ".join(name if n == 1 else f"{name} x{n}" for name, n in runs)
 
 
+class SequenceLayout:
+    """Where sequence parallelism puts sequence shards in a module (:func:`sequence_parallel_layout`), by module name:
+    each layer of the stack takes its hidden state split along the sequence and gives it back whole; inside it, each
+    region (the smallest submodule holding split layers of both kinds: attention, MLP) gathers its input whole, its
+    row-split layers reduce-scatter their output back to sequence shards, and the ``sequence`` modules (norms) run on
+    the shards."""
+
+    def __init__(self, layers: list[str], regions: list[str], norms: list[str], inside: set[str]) -> None:
+        self.layers, self.regions, self.norms, self.inside = layers, regions, norms, inside
+        """``inside``: the split layers (column and row) within the layer stack."""
+
+
+def sequence_parallel_layout(module: nn.Module) -> tuple[SequenceLayout | None, str]:
+    """(the layout, '') where ``module`` runs sequence parallelism, else (None, why not: 'names no ...: add ...'). It
+    runs where ``fleet_tensor_parallel()`` names the ``sequence`` modules, there is a layer stack, every parameter inside
+    a layer is split (column or row) or in a ``sequence`` module (whose gradient is then summed over the shards), and
+    every split layer inside a layer lies in a region below the layer (its code between split layers must be
+    position-wise: a norm, an activation, a residual add)."""
+    spec = _tensor_parallel_answer(module)
+    if spec is None or not spec.get("sequence"):
+        return None, "names no 'sequence' modules (its norms) in fleet_tensor_parallel(): add them or use sp=false"
+    stack = find_layers(module)
+    if stack is None:
+        return None, "has no layer stack for sequence parallelism to split along the sequence: add fleet_layers() or use sp=false"
+    names = {id(m): n for n, m in module.named_modules()}
+    patterns = _patterns(spec)
+    layers, regions, norms, inside = [], [], [], set()
+    for layer in stack:
+        prefix = names[id(layer)]
+        layers.append(prefix)
+        kinds = {n: k for n, sub in layer.named_modules() if (k := _split_kind(sub, f"{prefix}.{n}" if n else prefix, patterns))}
+        for name, sub in layer.named_modules():
+            full = f"{prefix}.{name}" if name else prefix
+            own = [f"{full}.{p}" for p, _ in sub.named_parameters(recurse=False)]
+            if any(re.match(r, n) for r in patterns.sequence for n in own):
+                norms.append(full)
+            elif own and name not in kinds:
+                return None, (f"holds {own[0]} in its layer {prefix}, which is neither split (column/row) nor a 'sequence' "
+                              "module: name it in fleet_tensor_parallel()'s 'sequence' (a norm) or use sp=false")
+        for name, kind in kinds.items():
+            inside.add(f"{prefix}.{name}")
+            region = _region(name, kinds)
+            if not region:
+                return None, (f"splits {prefix}.{name} with no submodule of {prefix} around it that holds both column- and "
+                              "row-split layers (an attention or MLP module): sequence parallelism gathers such a module's "
+                              "input; use sp=false")
+            if f"{prefix}.{region}" not in regions:
+                regions.append(f"{prefix}.{region}")
+    return SequenceLayout(layers, regions, norms, inside), ""
+
+
+def _region(name: str, kinds: dict[str, str]) -> str:
+    """The deepest proper ancestor of ``name`` (within its layer, '' is the layer itself) that holds split layers of
+    both kinds, or '' when only the layer does."""
+    parts = name.split(".")
+    for cut in range(len(parts) - 1, 0, -1):
+        prefix = ".".join(parts[:cut])
+        held = {k for n, k in kinds.items() if n.startswith(prefix + ".")}
+        if held == {"column", "row"}:
+            return prefix
+    return ""
+
+
 def module_hooks(module: nn.Module, *, sparse_params: tuple[str, ...] = (), pipeline_problem: str = "") -> ModuleHooks:
     """What ``module`` offers a runtime (each hook called once and validated), with the parameters profiling found to
     get sparse gradients (:attr:`lightning_fleet.profiling.Profile.sparse_params`). A plain ``nn.Module`` has no
@@ -253,6 +319,7 @@ def module_hooks(module: nn.Module, *, sparse_params: tuple[str, ...] = (), pipe
     then."""
     layers = find_layers(module) is not None
     tensor_parallel = _tensor_parallel_answer(module)
+    _, sequence_problem = sequence_parallel_layout(module) if tensor_parallel is not None else (None, "")
     return ModuleHooks(
         name=type(module).__name__,
         tensor_parallel=tensor_parallel is not None,
@@ -262,4 +329,6 @@ def module_hooks(module: nn.Module, *, sparse_params: tuple[str, ...] = (), pipe
         tp_limits=() if tensor_parallel is None else _limits(module, tensor_parallel),
         sparse_params=sparse_params,
         pipeline_problem=pipeline_problem,
+        sequence_parallel=tensor_parallel is not None and not sequence_problem,
+        sequence_problem=sequence_problem,
     )

@@ -214,7 +214,7 @@ def test_torch_runs_shard_levels_0_to_3_and_tp_and_says_what_to_use_for_the_rest
         ("dp=4,zero=1,dp_shard=2", "torch runs hybrid sharding at zero 2 or 3 only; use one of them or leave dp_shard out"),
         ("pp=2", "torch runs no pipelines; use pp=1"),
         ("zero=2,offload=optimizer", "torch runs no offload; use offload=none"),
-        ("tp=2,sp=true", "torch runs neither sequence parallelism nor interleaved pipelines; use sp=false, vpp=1"),
+        ("pp=2,vpp=2", "torch runs no pipelines; use pp=1"),
         ("zero=0,offload=optimizer", None),  # offload needs zero >= 1: the plan itself refuses it
     ):
         if why is None:
@@ -329,7 +329,8 @@ def test_module_hooks_reads_each_hook() -> None:
 
     read = module_hooks(Hooked())
     assert read == ModuleHooks(
-        name="Hooked", tensor_parallel=True, pipeline=True, layers=True, automatic_optimization=True, tp_limits=read.tp_limits
+        name="Hooked", tensor_parallel=True, pipeline=True, layers=True, automatic_optimization=True, tp_limits=read.tp_limits,
+        sequence_problem="names no 'sequence' modules (its norms) in fleet_tensor_parallel(): add them or use sp=false",
     )
     assert [(limit.layer, limit.parts) for limit in read.tp_limits] == [("blocks.0", 2), ("blocks.1", 2), ("blocks.2", 2)]
     assert module_hooks(Manual()).automatic_optimization is False

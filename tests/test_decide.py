@@ -222,12 +222,14 @@ def test_a_plan_only_one_runtime_runs_goes_to_it_and_one_no_runtime_runs_names_e
     with pytest.raises(FleetError) as err:  # torch runs no pipeline at all: DeepSpeed would
         run_both(facts(), plan="pp=2,runtime=torch")
     assert str(err.value) == "plan pp=2: torch runs no pipelines; use pp=1"
-    with pytest.raises(FleetError) as err:  # both run tp, neither sp: each says so
+    with pytest.raises(FleetError) as err:  # torch runs sp where the module lays out for it, DeepSpeed never: each says so
         run_both(facts(), plan="sp=true,tp=2")
     assert str(err.value) == (
-        "no runtime executes this job: torch: plan tp=2,sp=true: torch runs neither sequence parallelism nor interleaved "
-        "pipelines; use sp=false, vpp=1; deepspeed: plan tp=2,sp=true: DeepSpeed runs neither sequence parallelism nor "
-        "interleaved pipelines; use sp=false, vpp=1")
+        "no runtime executes this job: torch: plan tp=2,sp=true has sp=true, but GPT names no 'sequence' modules (its norms) "
+        "in fleet_tensor_parallel(): add them or use sp=false; deepspeed: plan tp=2,sp=true: DeepSpeed runs neither "
+        "sequence parallelism nor interleaved pipelines; use sp=false, vpp=1")
+    sequenced = run_both(facts(sequence_parallel=True), plan="sp=true,tp=2")
+    assert sequenced.runtime == "torch" and sequenced.plan.sp
 
 
 def test_a_hybrid_shard_group_goes_to_torch_and_is_refused_in_one_line_on_deepspeed():

@@ -186,19 +186,83 @@ def test_the_automatic_plan_never_chooses_a_degree_the_module_cannot_split() -> 
 @pytest.mark.multiprocess
 def test_hugging_face_llama_at_tp2_trains_with_two_key_value_heads_and_is_refused_with_one(tmp_path) -> None:
     """One 2-process job (Lightning's launcher), two fits at tp=2 on each runtime (DeepSpeed's AutoTP, DTensor's
-    parallelize_module): with 2 key/value heads every projection splits and the weights after 3 steps equal a
-    one-process run; with 1 the fit ends in the k_proj line before either runtime builds anything."""
+    parallelize_module, and that with sequence parallelism: the decoder layers on sequence shards, their norms as
+    SequenceParallel, attention and MLP gathering their input): with 2 key/value heads every projection splits and the
+    weights after 3 steps equal a one-process run; with 1 the fit ends in the k_proj line before either runtime builds
+    anything."""
     pytest.importorskip("transformers")
     import torch
 
     from tests.multiprocess import run_worker
     from tests.workers.hf_tp import reference_state
 
-    results, _ = run_worker(tmp_path, "--kv-heads", "2,1", "--runtimes", "deepspeed,torch", worker=ROOT / "tests" / "workers" / "hf_tp.py")
+    runtimes = ("deepspeed", "torch", "torch-sp")
+    results, _ = run_worker(tmp_path, "--kv-heads", "2,1", "--runtimes", ",".join(runtimes), worker=ROOT / "tests" / "workers" / "hf_tp.py")
     reference = reference_state(2)
-    for runtime, (trained, refused) in zip(("deepspeed", "torch"), (results[:2], results[2:])):
+    for index, runtime in enumerate(runtimes):
+        trained, refused = results[2 * index: 2 * index + 2]
         for name, tensor in reference.items():
             torch.testing.assert_close(trained["state"][name], tensor, atol=2e-5, rtol=0, msg=f"{runtime}: {name}")
         assert trained["local_params"] < 0.8 * sum(t.numel() for t in reference.values())  # the projections really split
-        assert refused == ("plan dp=1,tp=2,zero=0,mbs=8,gas=1: tp=2 cannot split "
+        sp = ",sp=true" if runtime == "torch-sp" else ""
+        assert refused == (f"plan dp=1,tp=2,zero=0,mbs=8,gas=1{sp}: tp=2 cannot split "
                            "model.model.layers.0.self_attn.k_proj: its 1 key/value head is not divisible by tp=2; use tp=1")
+
+
+@pytest.mark.pure
+def test_sequence_parallelism_lays_out_each_layer_by_its_regions_and_norms() -> None:
+    """The example GPT: each block takes sequence shards, its attention and MLP gather their input, ln1 and ln2 run on
+    the shards; module_hooks says sp may be planned."""
+    from examples.gpt.model import GPT
+    from lightning_fleet.hooks import module_hooks, sequence_parallel_layout
+
+    layout, why = sequence_parallel_layout(GPT(num_layers=2, hidden_size=32, num_heads=4, seq_length=16))
+    assert why == "" and layout is not None
+    assert layout.layers == ["blocks.0", "blocks.1"]
+    assert layout.regions == ["blocks.0.attn", "blocks.0.mlp", "blocks.1.attn", "blocks.1.mlp"]
+    assert layout.norms == ["blocks.0.ln1", "blocks.0.ln2", "blocks.1.ln1", "blocks.1.ln2"]
+    assert module_hooks(GPT(num_layers=2, hidden_size=32, num_heads=4, seq_length=16)).sequence_parallel
+
+
+@pytest.mark.pure
+def test_a_module_sequence_parallelism_cannot_lay_out_says_why_in_one_line() -> None:
+    """No 'sequence' modules, a norm left out of them (its gradient would be one shard's), a layer whose split layers
+    have no attention or MLP module around them: each refused naming what to add or change."""
+    from torch import nn
+
+    from examples.gpt.model import GPT
+    from lightning_fleet.hooks import module_hooks
+    from lightning_fleet.runtime.torch.capabilities import TORCH
+
+    class Partly(GPT):
+        def fleet_tensor_parallel(self) -> dict:
+            return {**super().fleet_tensor_parallel(), "sequence": [r".*\.ln1\.weight$"]}
+
+    class Unnamed(GPT):
+        def fleet_tensor_parallel(self) -> dict:
+            return {key: value for key, value in super().fleet_tensor_parallel().items() if key != "sequence"}
+
+    class Flat(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(nn.ModuleDict({"up": nn.Linear(8, 16), "down": nn.Linear(16, 8)}) for _ in range(2))
+
+        def fleet_tensor_parallel(self) -> dict:
+            return {"num_heads": 2, "column": [r".*\.up\.weight$"], "row": [r".*\.down\.weight$"], "sequence": [r"none"]}
+
+    sizes = dict(num_layers=2, hidden_size=32, num_heads=4, seq_length=16)
+    cases = [
+        (Partly(**sizes), "plan tp=2,sp=true has sp=true, but Partly holds blocks.0.ln2.weight in its layer blocks.0, which is "
+         "neither split (column/row) nor a 'sequence' module: name it in fleet_tensor_parallel()'s 'sequence' (a norm) or "
+         "use sp=false"),
+        (Unnamed(**sizes), "plan tp=2,sp=true has sp=true, but Unnamed names no 'sequence' modules (its norms) in "
+         "fleet_tensor_parallel(): add them or use sp=false"),
+        (Flat(), "plan tp=2,sp=true has sp=true, but Flat splits layers.0.up with no submodule of layers.0 around it that "
+         "holds both column- and row-split layers (an attention or MLP module): sequence parallelism gathers such a "
+         "module's input; use sp=false"),
+    ]
+    for module, message in cases:
+        hooks = module_hooks(module)
+        assert not hooks.sequence_parallel
+        assert TORCH.refusal(parse_partial_plan("tp=2,sp=true"), hooks) == message
+        assert not TORCH.constraints(hooks).allow_sp

@@ -39,6 +39,7 @@ PLANS = [
     "dp=1,tp=2,zero=3,mbs=2,runtime=deepspeed",
     "dp=1,tp=2,zero=0,runtime=torch",
     "dp=1,tp=2,zero=3,mbs=2,runtime=torch",
+    "dp=1,tp=2,sp=true,zero=2,mbs=4,runtime=torch",
     "dp=1,pp=2,zero=0",
     "dp=1,pp=2,zero=1,mbs=2,recompute=full",
 ]
@@ -141,11 +142,12 @@ def test_fleet_export_reads_the_torch_runtimes_checkpoints_whole(plan, resumed):
         torch.testing.assert_close(exported[name], tensor, atol=2e-5, rtol=0, msg=f"{plan}: {name}")
 
 
-WIDE_TORCH_PLANS = ["dp=2,tp=2,zero=0,runtime=torch", "dp=2,tp=2,zero=1,runtime=torch", "dp=2,tp=2,zero=2,runtime=torch", "dp=2,tp=2,zero=3,mbs=2,runtime=torch",
+WIDE_TORCH_PLANS = ["dp=2,tp=2,zero=0,runtime=torch", "dp=2,tp=2,zero=1,runtime=torch", "dp=2,tp=2,zero=2,runtime=torch",
+                    "dp=2,tp=2,zero=3,mbs=2,runtime=torch", "dp=2,tp=2,sp=true,zero=0,runtime=torch",
                     "dp=4,zero=2,dp_shard=2,runtime=torch", "dp=4,zero=3,dp_shard=2,runtime=torch"]
 """dp x tp on a (dp, tp) mesh of 4 processes: the engine's own all-reduce over dp at shard levels 0 and 1 (there each
 replica steps and broadcasts the tp shards it owns), FSDP2 over dp above;
-and hybrid sharding (HSDP): FSDP2 over a (2 replicas, 2 shards) mesh."""
+sequence parallelism beside dp; and hybrid sharding (HSDP): FSDP2 over a (2 replicas, 2 shards) mesh."""
 HYBRID = WIDE_TORCH_PLANS.index("dp=4,zero=3,dp_shard=2,runtime=torch")
 
 

@@ -172,11 +172,13 @@ class GPT(LightningModule):
         return {"layers": [Embed(self.tok, self.pos), *self.blocks, Head(self.ln_f, self.head)], "loss_fn": next_byte_loss}
 
     def fleet_tensor_parallel(self) -> dict[str, object]:
-        """AutoTP patterns: column-split q/k/v and MLP fc, row-split the output projections."""
+        """Tensor-parallel patterns: column-split q/k/v and MLP fc, row-split the output projections; the layers' norms
+        run on sequence shards under sequence parallelism."""
         return {
             "num_heads": self.hparams.num_heads,
             "column": [r".*\.attn\.[qkv]\.weight$", r".*\.mlp\.fc\.weight$"],
             "row": [r".*\.attn\.proj\.weight$", r".*\.mlp\.proj\.weight$"],
+            "sequence": [r".*\.ln[12]\.weight$"],
         }
 
 

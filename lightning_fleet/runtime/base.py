@@ -47,6 +47,9 @@ class TensorParallelSpec:
     """Weights split along the output dimension (QKV, MLP up-projection)."""
     row: tuple[str, ...]
     """Weights split along the input dimension (attention output, MLP down-projection)."""
+    sequence: tuple[str, ...] = ()
+    """Parameters of the modules inside the layer stack that run on sequence shards under sequence parallelism (its
+    norms); empty: the module runs no sequence parallelism."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -97,6 +100,13 @@ class ModuleHooks:
         None: no split layer is known."""
         return math.gcd(*(limit.parts for limit in self.tp_limits)) if self.tp_limits else None
 
+    sequence_parallel: bool = False
+    """Its ``fleet_tensor_parallel()`` names the ``sequence`` modules and its layers lay out along the sequence
+    (:func:`lightning_fleet.hooks.sequence_parallel_layout`)."""
+    sequence_problem: str = ""
+    """Why it cannot run sequence parallelism ('names no ...: add ...'; '' when it can, or without the tensor-parallel
+    hook)."""
+
     pipeline_problem: str = ""
     """Why ``fleet_pipeline()``'s layers cannot run as a pipeline, found by the profiler's dry run on the example batch
     ('' when they can or it did not run); ``pipeline`` is False then."""
@@ -105,7 +115,7 @@ class ModuleHooks:
     def assumed(cls, name: str = "the model") -> "ModuleHooks":
         """Every hook present and automatic optimization: for planning a model spec offline (``fleet plan``, the
         benchmarks), where no module exists yet and the plan says which hooks the module will need."""
-        return cls(name=name, tensor_parallel=True, pipeline=True, layers=True, automatic_optimization=True)
+        return cls(name=name, tensor_parallel=True, pipeline=True, layers=True, automatic_optimization=True, sequence_parallel=True)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -154,6 +164,9 @@ class Capabilities:
     """Full recomputation wraps the layers of the module's layer stack: without one it cannot."""
     tp_needs_hook: bool
     """Tensor parallelism needs ``fleet_tensor_parallel()`` (which weights to split, and how)."""
+    sp_needs_hook: bool = True
+    """Sequence parallelism needs ``fleet_tensor_parallel()``'s ``sequence`` modules and a layer stack laid out for it
+    (:attr:`ModuleHooks.sequence_parallel`)."""
     pp_needs_hook: bool
     """A pipeline needs ``fleet_pipeline()`` and a layer stack (:attr:`ModuleHooks.pipeline`)."""
     pp_needs_automatic_optimization: bool
@@ -189,7 +202,7 @@ class Capabilities:
         """What this runtime executes for a module with ``hooks``, as planner constraints, narrowed by the job's
         options (``max_tp``/``max_pp`` None or 0: no limit beyond the model and the world)."""
         return Constraints(
-            allow_sp=self.sequence_parallel,
+            allow_sp=self.sequence_parallel and (hooks.sequence_parallel or not self.sp_needs_hook),
             max_vpp=None if self.interleaved_pipeline else 1,
             uneven_stages=self.uneven_stages,
             uneven_dp=self.uneven_dp,
@@ -251,6 +264,11 @@ class Capabilities:
             return f"plan {plan}: {self.label}'s pipeline engine runs {self._pipeline_limits()}"
         if plan.sp and not self.sequence_parallel or (plan.vpp or 1) > 1 and not self.interleaved_pipeline:
             return f"plan {plan}: {self.label} runs {self._missing_schedules()}"
+        if plan.sp and self.sp_needs_hook and not hooks.sequence_parallel:
+            why = hooks.sequence_problem or (
+                "names no 'sequence' modules (its norms) in fleet_tensor_parallel(): add them or use sp=false" if hooks.tensor_parallel
+                else "defines no fleet_tensor_parallel() hook: add it (with its 'sequence' modules) or use sp=false")
+            return f"plan {plan} has sp=true, but {hooks.name} {why}"
         if plan.dp_shard is not None and plan.dp_shard != plan.dp and zero not in self.hybrid_shard_zero_stages:
             if not self.hybrid_shard_zero_stages:
                 return f"plan {plan}: {self.label} shards over all data-parallel replicas only (no hybrid sharding); leave dp_shard out"
@@ -397,6 +415,7 @@ ANY = Capabilities(
     op_recompute=True,
     full_recompute_needs_layers=False,
     tp_needs_hook=False,
+    sp_needs_hook=False,
     pp_needs_hook=False,
     pp_needs_automatic_optimization=False,
     reshard_zero_stages=(0, 1, 2, 3),

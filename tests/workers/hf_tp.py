@@ -42,7 +42,8 @@ class Llama(LightningModule):
 
     def fleet_tensor_parallel(self) -> dict:
         return {"num_heads": 4, "column": [r".*\.self_attn\.[qkv]_proj\.weight$", r".*\.mlp\.(up|gate)_proj\.weight$"],
-                "row": [r".*\.self_attn\.o_proj\.weight$", r".*\.mlp\.down_proj\.weight$"]}
+                "row": [r".*\.self_attn\.o_proj\.weight$", r".*\.mlp\.down_proj\.weight$"],
+                "sequence": [r".*\.(input|post_attention)_layernorm\.weight$"]}
 
     def training_step(self, batch, batch_idx):  # type: ignore[no-untyped-def]
         (ids,) = batch
@@ -70,10 +71,12 @@ def reference_state(kv_heads: int) -> dict[str, torch.Tensor]:
 
 
 def fit(kv_heads: int, runtime: str) -> object:
+    """``runtime`` ``torch-sp``: the torch runtime with sequence parallelism."""
     seed_everything(0)
     module = Llama(kv_heads)
     counted = LocalParams()
-    strategy = lightning_fleet.FleetStrategy(plan=f"{PLAN},runtime={runtime}", cluster="cpu")
+    sequence = ",sp=true" if runtime == "torch-sp" else ""
+    strategy = lightning_fleet.FleetStrategy(plan=f"{PLAN}{sequence},runtime={runtime.removesuffix('-sp')}", cluster="cpu")
     trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=STEPS, callbacks=[counted], **QUIET_TRAINER)
     try:
         trainer.fit(module, DataLoader(TensorDataset(token_ids()), batch_size=BATCH))
@@ -88,7 +91,8 @@ def fit(kv_heads: int, runtime: str) -> object:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--kv-heads", default="2,1", help="','-separated key/value head counts, one fit each")
-    parser.add_argument("--runtimes", default="deepspeed,torch", help="','-separated runtimes, each fits every head count")
+    parser.add_argument("--runtimes", default="deepspeed,torch", help="','-separated runtimes (torch-sp: torch with sp=true), "
+                        "each fits every head count")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     results = [fit(int(kv), runtime) for runtime in args.runtimes.split(",") for kv in args.kv_heads.split(",")]

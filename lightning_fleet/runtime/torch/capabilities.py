@@ -41,9 +41,12 @@ TORCH = Capabilities(
     # DTensor's parallelize_module splits the layers fleet_tensor_parallel() names (runtime/torch/engine.py), on the tp
     # axis of a (dp, tp) mesh; FSDP2 shards over dp beside it, or at shard level 0 the engine all-reduces over dp
     tensor_parallel=True,
-    # sequence parallelism needs the norms and the residual stream laid out along the sequence (torchtitan's
-    # SequenceParallel with PrepareModuleInput per layer): not wired, sp plans are priced but not executed here
-    sequence_parallel=False,
+    # sequence parallelism (runtime/torch/engine.py _sequence_parallel): each layer of the stack runs on sequence shards
+    # between its regions (attention, MLP), which gather their input whole; row-split layers reduce-scatter back to
+    # shards; the norms fleet_tensor_parallel() names as 'sequence' run as DTensor's SequenceParallel (torchtitan's
+    # layout inside each layer; the stream between layers is gathered whole, so the module's code outside its layers
+    # need not be position-wise)
+    sequence_parallel=True,
     # torch.distributed.pipelining is the pipelines issue's work: pp plans run on DeepSpeed's pipeline engine
     pipeline=False,
     interleaved_pipeline=False,

@@ -89,7 +89,7 @@ def apply(module: nn.Module, layers: Sequence[nn.Module] | None, *, plan: Plan, 
         dp_mesh = mesh["dp_replicate", "dp_shard"]
     hooks = {m: {name: set(getattr(m, name)) for name in _HOOK_DICTS} for m in module.modules()}
     if plan.tp > 1:
-        _split(module, tensor_parallel, mesh["tp"])
+        _split(module, tensor_parallel, mesh["tp"], sequence=plan.sp)
     classes: dict[nn.Module, type] = {}
     reduction = None
     if plan.zero >= 2:
@@ -104,22 +104,74 @@ def apply(module: nn.Module, layers: Sequence[nn.Module] | None, *, plan: Plan, 
     return ParallelEngine(module, classes, hooks, reduction, dp_mesh.get_group() if plan.dp_shard is None else None)
 
 
-def _split(module: nn.Module, patterns: TensorParallelSpec | None, tp_mesh: Any) -> None:
-    """DTensor tensor parallelism over ``tp_mesh``: each layer the patterns name, column- or row-wise."""
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+def _split(module: nn.Module, patterns: TensorParallelSpec | None, tp_mesh: Any, *, sequence: bool = False) -> None:
+    """DTensor tensor parallelism over ``tp_mesh``: each layer the patterns name, column- or row-wise; with ``sequence``
+    (sp=true) the layers of the stack also run on sequence shards (:func:`_sequence_parallel`)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
-    from lightning_fleet.hooks import split_layers
+    from lightning_fleet.hooks import sequence_parallel_layout, split_layers
 
     assert patterns is not None, "a tp plan needs fleet_tensor_parallel() (the capabilities say so)"
-    styles = {}
+    layout = None
+    if sequence:
+        layout, why = sequence_parallel_layout(module)
+        if layout is None:  # the capabilities refuse such a plan first
+            raise FleetError(f"sp=true: {type(module).__name__} {why}")
+    styles: dict[str, Any] = {}
     for name, layer, kind in split_layers(module, patterns):
         embedding = isinstance(layer, nn.Embedding)
-        if kind == "column":  # an embedding's features split: its output gathered whole
+        if layout is not None and name in layout.inside and kind == "row":  # back to sequence shards: a reduce-scatter
+            styles[name] = RowwiseParallel(output_layouts=Shard(1))
+        elif kind == "column":  # an embedding's features split: its output gathered whole
             styles[name] = ColwiseParallel(output_layouts=Replicate()) if embedding else ColwiseParallel()
         else:  # an embedding's rows split: the token ids arrive whole, the partial outputs are summed
             styles[name] = RowwiseParallel(input_layouts=Replicate()) if embedding else RowwiseParallel()
+    if layout is not None:
+        styles.update({name: SequenceParallel(use_local_output=True) for name in layout.norms})
     parallelize_module(module, tp_mesh, styles)
+    if layout is not None:
+        _sequence_parallel(module, layout, tp_mesh)
+
+
+def _sequence_parallel(module: nn.Module, layout: Any, tp_mesh: Any) -> None:
+    """Sequence parallelism's boundaries, as forward hooks the hand-back removes: each layer of the stack takes its
+    hidden state (first positional argument, or ``hidden_states``) as this rank's sequence shard (a slice forward, an
+    all-gather of the gradient backward) and gives it back whole (an all-gather); each region (attention, MLP) gathers
+    its shard-wise input whole before its column-split layers. DTensor's redistribute runs the collectives and their
+    backward."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    def relaid(x: Any, source: Any, target: Any) -> Any:
+        if not isinstance(x, torch.Tensor):
+            return x
+        held = x if isinstance(x, DTensor) else DTensor.from_local(x, tp_mesh, [source], run_check=False)
+        return held.redistribute(tp_mesh, [target]).to_local()
+
+    def on_hidden(source: Any, target: Any) -> Any:
+        def hook(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+            if args:
+                return (relaid(args[0], source, target), *args[1:]), kwargs
+            if "hidden_states" in kwargs:
+                return args, {**kwargs, "hidden_states": relaid(kwargs["hidden_states"], source, target)}
+            return args, kwargs
+        return hook
+
+    def whole(x: Any) -> Any:  # a tensor of its own: FSDP2 warns of (and an in-place op would break on) a layer's view
+        out = relaid(x, Shard(1), Replicate())
+        return out.clone() if isinstance(out, torch.Tensor) and out._base is not None else out
+
+    def gathered(_: nn.Module, args: Any, output: Any) -> Any:
+        if isinstance(output, tuple) and output:
+            return (whole(output[0]), *output[1:])
+        return whole(output)
+
+    named = dict(module.named_modules())
+    for name in layout.layers:
+        named[name].register_forward_pre_hook(on_hidden(Replicate(), Shard(1)), with_kwargs=True)
+        named[name].register_forward_hook(gathered)
+    for name in layout.regions:
+        named[name].register_forward_pre_hook(on_hidden(Shard(1), Replicate()), with_kwargs=True)
 
 
 @contextmanager
