@@ -142,7 +142,7 @@ def resume_of(path: str | None, manifest: Manifest | None, world_size: int) -> R
     if manifest.world_size == world_size:
         return Resume(kind=ResumeKind.CONTINUE, path=path, manifest=manifest)
     source = parse_plan(manifest.plan or "")
-    writer = capabilities_of(source.runtime or LEGACY_RUNTIME)
+    writer = capabilities_of(writer_of(manifest))
     if (source.tp > 1 or source.pp > 1) and writer.reshard_data_parallel_only:
         raise FleetError(
             f"checkpoint {path} was written by {source} on {manifest.world_size} processes; resharding {writer.label}'s "
@@ -228,7 +228,13 @@ def _switches_runtime(partial: PartialPlan, runtimes: tuple[Capabilities, ...], 
 def _writer(resume: Resume) -> str:
     """The name of the runtime that wrote the checkpoint ``resume`` continues."""
     assert resume.manifest is not None
-    return parse_partial_plan(resume.manifest.plan or "").runtime or LEGACY_RUNTIME
+    return writer_of(resume.manifest)
+
+
+def writer_of(manifest: Manifest) -> str:
+    """The name of the runtime that wrote a checkpoint: its plan's ``runtime``, :data:`LEGACY_RUNTIME` for one written
+    before plans named one."""
+    return parse_partial_plan(manifest.plan or "").runtime or LEGACY_RUNTIME
 
 
 def _allowed_runtimes(partial: PartialPlan, runtimes: tuple[Capabilities, ...], resume: Resume) -> tuple[Capabilities, ...]:

@@ -48,7 +48,6 @@ from lightning_fleet.calibrate.measure import (  # noqa: E402
 from lightning_fleet.calibrate.measure import RANK_PROBE_S  # noqa: E402
 from lightning_fleet.data import TrainingData, example_batch, inspect_training_loader, step_loader  # noqa: E402
 from lightning_fleet.decide import (  # noqa: E402
-    LEGACY_RUNTIME,
     Decision,
     JobOptions,
     ModuleFacts,
@@ -57,6 +56,7 @@ from lightning_fleet.decide import (  # noqa: E402
     decide,
     job_global_batch_size,
     resume_of,
+    writer_of,
 )
 from lightning_fleet.elastic.callback import NON_FINITE_POLICIES, FleetCheckpoint, NonFiniteGuard  # noqa: E402
 from lightning_fleet.elastic.checkpoint import VerifiedCheckpoint  # noqa: E402
@@ -77,7 +77,7 @@ from lightning_fleet.elastic.worker import (  # noqa: E402
 )
 from lightning_fleet.export import lightning_checkpoint  # noqa: E402
 from lightning_fleet.hooks import find_layers, module_hooks, tensor_parallel_hook  # noqa: E402
-from lightning_fleet.planning import ClusterSpec, Estimate, FleetError, ModelSpec, Plan, PlanError, Precision, load_cluster, parse_partial_plan  # noqa: E402
+from lightning_fleet.planning import ClusterSpec, Estimate, FleetError, ModelSpec, Plan, PlanError, Precision, load_cluster  # noqa: E402
 from lightning_fleet.planning.cluster import GIB  # noqa: E402
 from lightning_fleet.planning.plan import parse_partial_plan, share_weight  # noqa: E402
 from lightning_fleet.calibrate.ranks import rebalance_by  # noqa: E402
@@ -525,7 +525,7 @@ class FleetStrategy(DDPStrategy):
         """Rank 0: the checkpoint to reshard in the form this fit's runtime loads: converted by that runtime when it wrote
         it; else its whole state exported by the runtime that did and imported by this one (each listed in the
         manifest once)."""
-        writer = parse_partial_plan(checkpoint.manifest.plan or "").runtime or LEGACY_RUNTIME
+        writer = writer_of(checkpoint.manifest)
         if writer == self.backend.capabilities.name:
             return self.backend.reshard(checkpoint)
         exported = runtime_named(writer).load_backend().export_state(checkpoint)

@@ -47,8 +47,10 @@ from lightning_fleet.elastic.layout import (
     FileEntry,
     Manifest,
     Verdict,
+    derived_listed,
     entry_of,
     step_of,
+    tmp_name,
     verify,
 )
 from lightning_fleet.planning import FleetError
@@ -413,6 +415,26 @@ def list_derived(step_dir: Path, manifest: Manifest, name: str) -> Manifest:
     listed = replace(manifest, files=files)
     write_atomic(step_dir / MANIFEST, listed.to_json(), scratch=step_dir.parent)
     return listed
+
+
+def write_derived(checkpoint: "VerifiedCheckpoint", name: str, write: Callable[[Path], None]) -> "VerifiedCheckpoint":
+    """The derived form ``step_dir/name`` of a verified checkpoint, written once: ``write(directory)`` fills a private
+    temporary directory, which is sealed (0755 directories, files 0644 or tighter, whatever the umask), fsynced, renamed
+    into place and then hashed into the manifest (:func:`list_derived`). A kill or an error midway leaves an unlisted
+    temporary directory, which is never loaded and is replaced by the next attempt; a form already listed is kept."""
+    step, manifest = checkpoint.path, checkpoint.manifest
+    if derived_listed(manifest, name):
+        return checkpoint
+    target, tmp = step / name, step / tmp_name(name)
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(target, ignore_errors=True)
+    make_dir(tmp, 0o700)  # nobody else enters it while converters and torch write with the umask's modes
+    write(tmp)
+    seal_tree(tmp)
+    fsync_tree(tmp)
+    tmp.rename(target)
+    fsync_path(step)
+    return VerifiedCheckpoint(step, list_derived(step, manifest, name))
 
 
 @dataclass(frozen=True, slots=True)

@@ -837,7 +837,7 @@ class _Search:
         """The misfit with the least shortfall (the first of equally close ones)."""
         self._states: dict[tuple[int, int, int, int, Offload, int | None], _State] = {}
         self._bounds: dict[tuple[int, int, int, int, int], float] = {}
-        self._orders: dict[tuple[int, int, int], list[tuple[Axis, ...]]] = {}
+        self._orders: dict[tuple[int, int, int, int | None], list[tuple[Axis, ...]]] = {}
         self._undominated: dict[tuple[tuple[Recompute, Offload], ...], list[tuple[Recompute, Offload]]] = {}
 
     def _worst(self, acts: tuple[float, ...], state: _State, loads: tuple[StageLoad, ...]) -> MemoryEstimate:
@@ -873,7 +873,7 @@ class _Search:
         A step time depends on the placement only through the links of the three axes, so a
         placement with the links of the default, or of an earlier alternative, is never strictly faster.
         """
-        key = (plan.dp, plan.tp, plan.pp)
+        key = (plan.dp, plan.tp, plan.pp, plan.dp_shard)
         orders = self._orders.get(key)
         if orders is None:
             seen = {self.times.links(plan, plan.order).identity()}

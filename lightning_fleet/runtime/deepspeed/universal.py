@@ -26,10 +26,10 @@ from __future__ import annotations
 import shutil
 import subprocess
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-from lightning_fleet.elastic.checkpoint import VerifiedCheckpoint, fsync_path, fsync_tree, list_derived, make_dir, seal_tree
-from lightning_fleet.elastic.layout import TAG, UNIVERSAL, UNIVERSAL_LATEST, deepspeed_files, derived_listed, tmp_name, universal_dir
+from lightning_fleet.elastic.checkpoint import VerifiedCheckpoint, write_derived
+from lightning_fleet.elastic.layout import TAG, UNIVERSAL, UNIVERSAL_LATEST, deepspeed_files, universal_dir
 from lightning_fleet.elastic.safe_load import load_file
 from lightning_fleet.elastic.worker import module_command
 from lightning_fleet.planning import FleetError
@@ -75,25 +75,17 @@ def universal_from_state(checkpoint: VerifiedCheckpoint, state: FullState) -> Ve
     return _written_universal(checkpoint, lambda out: _universal_from_state(state, out, checkpoint.manifest.world_size))
 
 
-def _written_universal(checkpoint: VerifiedCheckpoint, write: Any) -> VerifiedCheckpoint:
-    """The universal form ``write(folder)`` writes, normalised, sealed, renamed into place and listed in the manifest
-    (once: a form already listed is kept)."""
-    step, manifest = checkpoint.path, checkpoint.manifest
-    if derived_listed(manifest, UNIVERSAL):
-        return checkpoint
-    target, tmp = universal_dir(step), step / tmp_name(UNIVERSAL)
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.rmtree(target, ignore_errors=True)
-    make_dir(tmp, 0o700)  # nobody else enters it while the converter and torch write with the umask's modes
-    out = tmp / TAG
-    write(out)
-    normalize_universal(out)
-    (tmp / UNIVERSAL_LATEST).write_text(TAG)
-    seal_tree(tmp)  # 0755 directories, files 0644 or tighter, whatever the umask: then hashed into the manifest
-    fsync_tree(tmp)
-    tmp.rename(target)
-    fsync_path(step)
-    return VerifiedCheckpoint(step, list_derived(step, manifest, UNIVERSAL))
+def _written_universal(checkpoint: VerifiedCheckpoint, write: Callable[[Path], None]) -> VerifiedCheckpoint:
+    """The universal form ``write(folder)`` writes, normalised, with its ``latest_universal`` tag, as the checkpoint's
+    derived form (:func:`~lightning_fleet.elastic.checkpoint.write_derived`: once, listed in the manifest when whole)."""
+
+    def written(tmp: Path) -> None:
+        out = tmp / TAG
+        write(out)
+        normalize_universal(out)
+        (tmp / UNIVERSAL_LATEST).write_text(TAG)
+
+    return write_derived(checkpoint, UNIVERSAL, written)
 
 
 def _save(obj: Any, path: Path) -> None:

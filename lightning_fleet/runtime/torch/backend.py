@@ -15,7 +15,6 @@ Imports torch (torch.distributed at call time); imported by the runtime table on
 from __future__ import annotations
 
 import json
-import shutil
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Iterable, Iterator, Mapping, Sequence
@@ -23,9 +22,9 @@ from typing import Any, Callable, ContextManager, Iterable, Iterator, Mapping, S
 import torch
 from torch import nn
 
-from lightning_fleet.elastic.checkpoint import VerifiedCheckpoint, fsync_path, fsync_tree, list_derived, make_dir, seal_tree, write_atomic
+from lightning_fleet.elastic.checkpoint import VerifiedCheckpoint, write_atomic, write_derived
 from lightning_fleet.elastic.layout import CLIENT as CLIENT_FILE
-from lightning_fleet.elastic.layout import DCP_DIR, EXPORT_LAYOUT, IMPORTED, derived_listed, imported_dir, state_dir, tmp_name
+from lightning_fleet.elastic.layout import DCP_DIR, EXPORT_LAYOUT, IMPORTED, derived_listed, imported_dir, state_dir
 from lightning_fleet.elastic.safe_load import load_file
 from lightning_fleet.planning import FleetError, Plan, Precision
 from lightning_fleet.runtime import runtime_named
@@ -225,20 +224,11 @@ class TorchBackend:
         a kill midway leaves an unlisted temporary directory that is never loaded."""
         from lightning_fleet.runtime.torch.dcp import save_state
 
-        step, manifest = checkpoint.path, checkpoint.manifest
-        if derived_listed(manifest, IMPORTED):
-            return checkpoint
-        target, tmp = imported_dir(step), step / tmp_name(IMPORTED)
-        for stale in (tmp, target):
-            shutil.rmtree(stale, ignore_errors=True)
-        make_dir(tmp, 0o700)
-        save_state(tmp / DCP_DIR, {"model": dict(state.model), "optimizer": dict(state.optimizer)}, alone=True)
-        save_atomic(dict(state.client), tmp / CLIENT_FILE)
-        seal_tree(tmp)
-        fsync_tree(tmp)
-        tmp.rename(target)
-        fsync_path(step)
-        return VerifiedCheckpoint(step, list_derived(step, manifest, IMPORTED))
+        def written(directory: Path) -> None:
+            save_state(directory / DCP_DIR, {"model": dict(state.model), "optimizer": dict(state.optimizer)}, alone=True)
+            save_atomic(dict(state.client), directory / CLIENT_FILE)
+
+        return write_derived(checkpoint, IMPORTED, written)
 
     def derived_of(self, checkpoint: VerifiedCheckpoint) -> Path:
         """A resharded torch checkpoint loads from where it was saved (DCP reshards as it loads); another runtime's,

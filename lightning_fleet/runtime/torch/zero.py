@@ -11,8 +11,8 @@ optimizers skip a parameter whose ``grad`` is None: no update, no state) and res
 
 Checkpoints go through torch.distributed.checkpoint as at the other levels: each rank saves the states it holds, keyed
 by parameter name, and a loading rank reads the states of the parameters it owns under its own partition (any world
-size, any shard level: :func:`owned_only` drops the others after a load). At the end of fit every rank receives the
-states it does not own (:func:`gather_states`), so the user's optimizer holds them all, as after plain DDP.
+size, any shard level: :meth:`ShardedStep.owned_only` drops the others after a load). At the end of fit every rank
+receives the states it does not own (:meth:`ShardedStep.gather_states`), so the user's optimizer holds them all, as after plain DDP.
 
 Imports torch.distributed at call time; imported by the torch backend.
 """
@@ -52,19 +52,24 @@ class ShardedStep:
         self.owner = partition(optimizer, self.world)
         self.params = list({id(p): p for g in optimizer.param_groups for p in g["params"]}.values())
         self._step: Callable[..., Any] | None = None
+        self._own_step = False  # the optimizer object had a step of its own (an instance attribute) before install()
         self.quiet = False
         """Set while DCP's get_state_dict may step to create missing state: no broadcast (see TorchBackend.save)."""
 
     def install(self) -> None:
         """Route ``optimizer.step`` through :meth:`step` (an attribute of the instance; its class keeps its own)."""
         if self._step is None:
+            self._own_step = "step" in vars(self.optimizer)
             self._step = self.optimizer.step
             self.optimizer.step = self.step  # type: ignore[method-assign]
 
     def remove(self) -> None:
         """The optimizer's own step again."""
         if self._step is not None:
-            del self.optimizer.step
+            if self._own_step:
+                self.optimizer.step = self._step  # type: ignore[method-assign]
+            else:
+                del self.optimizer.step
             self._step = None
 
     def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
