@@ -162,6 +162,21 @@ def test_tp_comm_s(recompute: Recompute, expected: float) -> None:
     assert tp_comm_s(LOAD, mbs=2, tp=4, recompute=recompute, link=LINK) == pytest.approx(expected, rel=REL)
 
 
+def test_tp_comm_s_takes_the_runtimes_sequence_parallel_traffic() -> None:
+    """With sp, the runtime's layout over Megatron's (Overlaps.sp_traffic): torch's 1.5 prices 8 messages as 12; without
+    sp the factor does not apply; a factor below 1 or not a number is refused."""
+    from lightning_fleet.planning import Overlaps, PlanError
+    from lightning_fleet.runtime.torch.capabilities import TORCH
+
+    megatron = 8 * (2 * 3 * 5e-6 + 2 * 3 / 4 * 2e6 / 100e9)  # 4.8e-4, as test_tp_comm_s
+    assert TORCH.overlaps.sp_traffic == 1.5
+    assert tp_comm_s(LOAD, mbs=2, tp=4, recompute=Recompute.NONE, link=LINK, sp=True, sp_traffic=1.5) == pytest.approx(1.5 * megatron, rel=REL)
+    assert tp_comm_s(LOAD, mbs=2, tp=4, recompute=Recompute.NONE, link=LINK, sp=False, sp_traffic=1.5) == pytest.approx(megatron, rel=REL)
+    for bad in (0.5, "2", True):
+        with pytest.raises(PlanError, match="sp_traffic must be a number >= 1"):
+            Overlaps(sp_traffic=bad)
+
+
 def test_tp_comm_s_tp1_and_no_messages() -> None:
     """tp = 1 or no tensor-parallel all-reduce costs 0 s."""
     assert tp_comm_s(LOAD, mbs=2, tp=1, recompute=Recompute.FULL, link=LINK) == 0.0

@@ -443,7 +443,8 @@ class TimeModel:
         for load in self.loads(pp):
             fwd, bwd = self._stage_compute(pp, load, mbs, tp, plan.recompute)
             compute_s = fwd + bwd
-            tp_all_s = tm.tp_comm_s(load, mbs=mbs, tp=tp, recompute=plan.recompute, link=tp_link, sp=plan.sp)
+            tp_all_s = tm.tp_comm_s(load, mbs=mbs, tp=tp, recompute=plan.recompute, link=tp_link, sp=plan.sp,
+                                    sp_traffic=overlaps.sp_traffic)
             tp_s = tm.tp_exposed_s(tp_all_s, compute_s, tp_hidden)
             sends_s = tm.pp_comm_s(load, mbs=mbs, tp=tp, sp=plan.sp, pp=pp, vpp=plan.vpp, link=pp_link, split_over_tp=split)
             gathers_s = tm.pp_split_gather_s(load, mbs=mbs, tp=tp, pp=pp, vpp=plan.vpp, link=tp_link) if split else 0.0

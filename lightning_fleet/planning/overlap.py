@@ -85,6 +85,12 @@ class Overlaps:
     True, buckets the gradient slices under ``("allreduce", process_group)`` and runs ``allreduce_and_scatter``,
     deepspeed/runtime/zero/stage_1_and_2.py; Megatron-LM's distributed optimizer and FSDP reduce-scatter)."""
 
+    sp_traffic: float = 1.0
+    """The tensor-parallel traffic of a sequence-parallel layer over Megatron's (its all-gather and reduce-scatter pairs,
+    priced as the all-reduces they replace): not an overlap but how the runtime lays sequence parallelism out, stated
+    here so that one value describes its communication (1: Megatron-LM's and torchtitan's layout, whose residual stream
+    stays on sequence shards between layers)."""
+
     DEFAULT: ClassVar[Overlaps]
     """``Overlaps()``: gradient reductions at every ZeRO stage and ZeRO-3's gathers (asymmetric)."""
     NONE: ClassVar[Overlaps]
@@ -99,6 +105,8 @@ class Overlaps:
         for name in ("dp_exposed_in_pipeline", "tp_comm", "pp_p2p", "pp_p2p_split_over_tp"):
             if not isinstance(getattr(self, name), bool):
                 raise PlanError(f"Overlaps {name} must be True or False, got {getattr(self, name)!r}")
+        if isinstance(self.sp_traffic, bool) or not isinstance(self.sp_traffic, (int, float)) or not self.sp_traffic >= 1:
+            raise PlanError(f"Overlaps sp_traffic must be a number >= 1 (Megatron's layout is 1), got {self.sp_traffic!r}")
 
     @classmethod
     def of(cls, names: Iterable[str]) -> Overlaps:
@@ -155,6 +163,8 @@ class Overlaps:
         out += [name for name in ("tp_comm", "pp_p2p", "pp_p2p_split_over_tp") if getattr(self, name)]
         if self.dp_grad_allreduce:
             out.append(f"gradients all-reduced at zero {_list(self.dp_grad_allreduce)}")
+        if self.sp_traffic != 1:
+            out.append(f"sequence-parallel traffic {self.sp_traffic:g}x Megatron's")
         return out
 
     def __str__(self) -> str:

@@ -117,11 +117,16 @@ def recompute_s(
     return load.recompute_flops * mbs / tp / flops_per_s
 
 
-def tp_comm_s(load: StageLoad, *, mbs: int, tp: int, recompute: Recompute, link: LinkSpec, sp: bool = False) -> float:
+def tp_comm_s(
+    load: StageLoad, *, mbs: int, tp: int, recompute: Recompute, link: LinkSpec, sp: bool = False, sp_traffic: float = 1.0
+) -> float:
     """Tensor-parallel all-reduces of one micro-batch (sp's all-gather + reduce-scatter pairs cost the same); full
     recompute repeats the layers' forward ones, and so does op-level recompute without sp; with sp it repeats only their
     all-gathers, as torchtitan's op policy keeps the reduce-scatters' outputs (``_c10d_functional.reduce_scatter_tensor``
-    in its save list, torchtitan/parallelisms/parallelize_llama.py @9dec370a)."""
+    in its save list, torchtitan/parallelisms/parallelize_llama.py @9dec370a). With sp, ``sp_traffic`` times that: the
+    runtime's layout over Megatron's (:attr:`Overlaps.sp_traffic`)."""
+    if sp and sp_traffic != 1:
+        return sp_traffic * tp_comm_s(load, mbs=mbs, tp=tp, recompute=recompute, link=link, sp=True)
     if recompute is Recompute.OP and sp:
         base, repeated = _tp_allreduces_s(load, mbs=mbs, tp=tp, repeat_forward=False, link=link), load.layer_tp_allreduces_fwd
         if tp == 1 or repeated == 0:

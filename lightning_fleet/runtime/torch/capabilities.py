@@ -27,6 +27,12 @@ TORCH_OVERLAPS = Overlaps(
     # shard level 1: DDP all-reduces every gradient; each owner broadcasts its updated parameters after the step,
     # outside backward (runtime/torch/zero.py ShardedStep.broadcast), priced as the all-gather it equals
     dp_grad_allreduce=(1,),
+    # sequence parallelism (engine.py _sequence_parallel), per layer in all-reduces of its hidden state: Megatron's
+    # 2 forward + 2 backward (an all-gather before each region, a reduce-scatter after it, and their backward); here the
+    # whole stream between layers adds an all-gather of the layer's output (forward) and of its input's gradient
+    # (backward): +1, and a region's input gradient is all-reduced by ColwiseParallel's Replicate input, then sliced,
+    # where Megatron reduce-scatters it: +1 (2 regions x half an all-reduce); 6 / 4
+    sp_traffic=1.5,
 )
 """What torch's DistributedDataParallel and FSDP2 run beside compute (on CPU/gloo the calibrated ``overlap`` says how
 much hides)."""
