@@ -167,13 +167,13 @@ def test_stage_state_bytes_prices_the_models_setting(dtype: GradAccumDtype, zero
 
 def test_the_planner_prices_the_gradient_copies() -> None:
     """Every plan the search returns for an fp32+working model carries 6 B per trainable parameter of its worst stage,
-    / tp, / dp from ZeRO-2 on (the search keeps stage_state_bytes per layout)."""
+    / tp, / its shard group from ZeRO-2 on (all of dp, or a hybrid group; the search keeps stage_state_bytes per layout)."""
     model = dataclasses.replace(make_model(layers=4, hidden=256, heads=4, seq=128, vocab=1000, gbs=16), grad_accum_dtype=BOTH)
     result = plan(model, make_cluster(devices_per_node=8), top=5)
     assert result.plans
     for e in result.plans:
         load = next(load for load in stage_loads(model, e.plan.pp) if load.index == e.memory.stage)
-        shard = e.plan.dp if e.plan.zero >= 2 else 1
+        shard = e.plan.shard_degree if e.plan.zero >= 2 else 1
         assert e.memory.grads_bytes == pytest.approx(6 * load.trainable_params / (e.plan.tp * shard), rel=REL)
 
 

@@ -51,7 +51,8 @@ def test_names_are_the_on_disk_format():
     names = (layout.LATEST, layout.MANIFEST, layout.SET_ASIDE, layout.STATE, layout.TAG, layout.DEEPSPEED_LATEST)
     assert names == ("latest", "manifest.json", "set-aside", "state", "checkpoint", "latest")
     assert (layout.EXPORT_LAYOUT, layout.UNSTAGED) == ("fleet_layout.json", "fleet_unstaged.pt")
-    assert (layout.UNIVERSAL, layout.UNIVERSAL_LATEST, layout.DERIVED) == ("universal", "latest_universal", ("universal",))
+    assert (layout.UNIVERSAL, layout.UNIVERSAL_LATEST, layout.IMPORTED) == ("universal", "latest_universal", "imported")
+    assert layout.DERIVED == ("universal", "imported") and layout.imported_dir(Path("/c/step-000000012")) == Path("/c/step-000000012/imported")
     step = Path("/ckpt/step-000000012")
     assert layout.step_dir_name(12) == step.name
     assert layout.state_dir(step) == step / "state" and layout.deepspeed_files(step) == step / "state" / "checkpoint"
