@@ -5,9 +5,9 @@ String form (also ``str(plan)``)::
     dp=32,tp=8,pp=4,zero=1,mbs=2,gas=28,recompute=full,sp=false,vpp=1,offload=none
 
 Keys may be left out when parsing: zero=0, mbs=1, recompute=none, sp=false, vpp=1, offload=none,
-gas derived from the global batch size. ``dp_shard=4`` (printed only when it is smaller than dp) shards the data-parallel state (what
-``zero`` shards) over groups of that many replicas and replicates it across the dp / dp_shard groups (hybrid sharding:
-FSDP inside a node, replicas across nodes). ``order=tp-dp-pp`` (innermost axis first) is printed only
+gas derived from the global batch size. ``dp_shard=4`` (printed only when it is smaller than dp) shards the
+data-parallel state (what ``zero`` shards) over groups of that many replicas and replicates it across the dp / dp_shard
+groups (hybrid sharding: FSDP inside a node, replicas across nodes). ``order=tp-dp-pp`` (innermost axis first) is printed only
 when it differs from the default placement, and ``stage_layers=7/8/8/7`` (transformer layers per
 pipeline stage, first to last) only when the layers split unevenly; without it a pipeline splits
 them evenly when pp divides them, else as :func:`lightning_fleet.planning.stages.balanced_stage_layers` says.
@@ -149,14 +149,14 @@ class Plan:
     def __post_init__(self) -> None:
         if self.runtime is not None:
             _check_runtime(self.runtime)
-        if self.dp_shard is not None:
-            object.__setattr__(self, "dp_shard", _check_dp_shard(self.dp_shard, dp=self.dp, zero=self.zero))
         for name in _INT_KEYS:  # the checks of _check_positive and _check_zero, inline: the search builds many plans
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 _check_positive(name, value)
         if self.zero not in (0, 1, 2, 3) or isinstance(self.zero, bool):
             _check_zero(self.zero)
+        if self.dp_shard is not None:
+            object.__setattr__(self, "dp_shard", _check_dp_shard(self.dp_shard, dp=self.dp, zero=self.zero))
         if type(self.recompute) is not Recompute:
             object.__setattr__(self, "recompute", _enum(Recompute, self.recompute, "recompute"))
         if type(self.offload) is not Offload:
@@ -581,13 +581,13 @@ class PartialPlan:
     def __post_init__(self) -> None:
         if self.runtime is not None:
             _check_runtime(self.runtime)
-        if self.dp_shard is not None:
-            _check_dp_shard(self.dp_shard, dp=self.dp, zero=self.zero)
         for name in _INT_KEYS:
             if getattr(self, name) is not None:
                 _check_positive(name, getattr(self, name))
         if self.zero is not None:
             _check_zero(self.zero)
+        if self.dp_shard is not None:
+            _check_dp_shard(self.dp_shard, dp=self.dp, zero=self.zero)
         if self.recompute is not None:
             object.__setattr__(self, "recompute", _enum(Recompute, self.recompute, "recompute"))
         if self.offload is not None:
