@@ -31,7 +31,7 @@ STEPS, WORLD = 4, 2
 GLOBAL_BATCH = BATCH_SIZE * WORLD
 NAMES = sorted(CASES)
 PLANS = {"torch": "runtime=torch", "torch-zero3": "zero=3,runtime=torch", "deepspeed-zero3": "zero=3,runtime=deepspeed"}
-"""Setting -> plan: the torch runtime at the shard level the planner picks (DDP), FSDP2 at shard level 3, DeepSpeed's
+"""Setting -> plan: the torch runtime at the shard level the planner picks, FSDP2 at shard level 3, DeepSpeed's
 ZeRO-3."""
 
 
@@ -110,7 +110,9 @@ def test_case_trains_like_one_process(name, trained, references):
     case, result, ref = CASES[name], trained[1][name], references[name]
     assert result["global_step"] == STEPS
     runtime, _, zero = setting.partition("-zero")
-    assert result["runtime"] == runtime and f",zero={zero or 0}," in result["plan"], result["plan"]
+    # a forced level is trained as forced; the plain setting trains the level the planner picks (DDP or FSDP2 zero=2 are
+    # priced within the measured cluster's noise of each other here, so either may win)
+    assert result["runtime"] == runtime and (not zero or f",zero={zero}," in result["plan"]), result["plan"]
     if case.batch_dependent:  # the strategy keeps the DataLoader's batch size as the micro-batch for such losses
         assert result["batch_dependent"] and f",mbs={BATCH_SIZE}," in result["plan"], result["plan"]
     atol = tolerance(case)
