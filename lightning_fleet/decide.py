@@ -102,6 +102,12 @@ class Resume:
     manifest: Manifest | None = None
     """Its verified manifest (None when fresh)."""
 
+    @property
+    def writer(self) -> str:
+        """The name of the runtime that wrote the checkpoint continued (:func:`writer_of` its manifest)."""
+        assert self.manifest is not None, "a fresh start continues no checkpoint"
+        return writer_of(self.manifest)
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Decision:
@@ -219,16 +225,10 @@ def _planned(
 def _switches_runtime(partial: PartialPlan, runtimes: tuple[Capabilities, ...], resume: Resume) -> bool:
     """Another runtime than the one that wrote the checkpoint to continue must train (the plan fixes it, or the job may
     not use the writer), and one the job may use imports the writer's checkpoints."""
-    writer = _writer(resume)
+    writer = resume.writer
     if partial.runtime == writer or partial.runtime is None and writer in {caps.name for caps in runtimes}:
         return False
     return any(writer in caps.imports and partial.runtime in (None, caps.name) for caps in runtimes)
-
-
-def _writer(resume: Resume) -> str:
-    """The name of the runtime that wrote the checkpoint ``resume`` continues."""
-    assert resume.manifest is not None
-    return writer_of(resume.manifest)
 
 
 def writer_of(manifest: Manifest) -> str:
@@ -243,7 +243,7 @@ def _allowed_runtimes(partial: PartialPlan, runtimes: tuple[Capabilities, ...], 
     else all of ``runtimes``."""
     names = [caps.name for caps in runtimes]
     if resume.kind is ResumeKind.RESHARD:
-        writer = _writer(resume)
+        writer = resume.writer
         importers = tuple(caps for caps in runtimes if writer in caps.imports)
         own = tuple(caps for caps in runtimes if caps.name == writer)
         runtimes = (*own, *importers) if own or importers else (checkpoint_runtime(resume, runtimes),)
@@ -254,7 +254,7 @@ def _allowed_runtimes(partial: PartialPlan, runtimes: tuple[Capabilities, ...], 
     kept = tuple(caps for caps in runtimes if caps.name == partial.runtime)
     if not kept:
         raise FleetError(f"plan {partial} fixes runtime={partial.runtime}, which cannot continue checkpoint {resume.path} "
-                         f"(written by {_writer(resume)}; {', '.join(c.name for c in runtimes)} can)")
+                         f"(written by {resume.writer}; {', '.join(c.name for c in runtimes)} can)")
     return kept
 
 
@@ -284,7 +284,7 @@ def _executing(
 def checkpoint_runtime(resume: Resume, runtimes: tuple[Capabilities, ...]) -> Capabilities:
     """The runtime that wrote the checkpoint ``resume`` continues (its plan's ``runtime``; DeepSpeed for checkpoints
     written before plans named one), which must be among the job's ``runtimes``."""
-    name = _writer(resume)
+    name = resume.writer
     for caps in runtimes:
         if caps.name == name:
             return caps

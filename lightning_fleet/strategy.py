@@ -15,15 +15,11 @@ imports it (tests/test_layering.py).
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
-import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Mapping
-
-import psutil
 
 from lightning_fleet import noise
 
@@ -34,36 +30,13 @@ from lightning.fabric.utilities.seed import reset_seed  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy  # noqa: E402
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn  # noqa: E402
 
-from lightning_fleet.calibrate.measure import (  # noqa: E402
-    WorldShape,
-    across_ranks,
-    cache_path,
-    load_cached,
-    device_memory_gib,
-    measure,
-    measure_ranks,
-    save_cache,
-    with_rank_devices,
-)
-from lightning_fleet.calibrate.measure import RANK_PROBE_S  # noqa: E402
-from lightning_fleet.data import TrainingData, example_batch, inspect_training_loader, step_loader  # noqa: E402
-from lightning_fleet.decide import (  # noqa: E402
-    Decision,
-    JobOptions,
-    ModuleFacts,
-    Resume,
-    ResumeKind,
-    decide,
-    job_global_batch_size,
-    resume_of,
-    writer_of,
-)
-from lightning_fleet.elastic.callback import NON_FINITE_POLICIES, FleetCheckpoint, NonFiniteGuard  # noqa: E402
-from lightning_fleet.elastic.checkpoint import VerifiedCheckpoint  # noqa: E402
+from lightning_fleet.calibrate.measure import WorldShape  # noqa: E402
+from lightning_fleet.decide import Decision, JobOptions  # noqa: E402
+from lightning_fleet.elastic.callback import FleetCheckpoint, NonFiniteGuard  # noqa: E402
+from lightning_fleet.elastic.compatibility import JobFacts  # noqa: E402
+from lightning_fleet.elastic.layout import KIND_LIGHTNING  # noqa: E402
 from lightning_fleet.elastic.safe_load import load_file  # noqa: E402
-from lightning_fleet.elastic.compatibility import RESUME_POLICIES, JobFacts, checkpoint_to_continue, job_facts  # noqa: E402
-from lightning_fleet.elastic.layout import KIND_LIGHTNING, MANIFEST, rank_file, rank_file_name  # noqa: E402
-from lightning_fleet.elastic.sampler import MicroBatches, ShareSchedule  # noqa: E402
+from lightning_fleet.elastic.sampler import MicroBatches  # noqa: E402
 from lightning_fleet.elastic.worker import (  # noqa: E402
     announce_launch_advice,
     collectives,
@@ -76,16 +49,12 @@ from lightning_fleet.elastic.worker import (  # noqa: E402
     strict_sigterm_broadcast,
 )
 from lightning_fleet.export import lightning_checkpoint  # noqa: E402
-from lightning_fleet.hooks import find_layers, module_hooks, tensor_parallel_hook  # noqa: E402
-from lightning_fleet.planning import ClusterSpec, Estimate, FleetError, ModelSpec, Plan, PlanError, Precision, load_cluster  # noqa: E402
-from lightning_fleet.planning.cluster import GIB  # noqa: E402
-from lightning_fleet.planning.plan import parse_partial_plan, share_weight  # noqa: E402
-from lightning_fleet.calibrate.ranks import rebalance_by  # noqa: E402
-from lightning_fleet.profiling import Profile, profile  # noqa: E402
+from lightning_fleet.fit import FitCore, FitSettings, check_batch_sizes  # noqa: E402
+from lightning_fleet.planning import ClusterSpec, Estimate, FleetError, ModelSpec, Plan, PlanError  # noqa: E402
+from lightning_fleet.planning.plan import parse_partial_plan  # noqa: E402
+from lightning_fleet.profiling import Profile  # noqa: E402
 from lightning_fleet.progress import FleetProgress  # noqa: E402
-from lightning_fleet.rng import RngState  # noqa: E402
 from lightning_fleet.runtime import AUTO, RUNTIME_NAMES, RUNTIMES, Runtime, runtime_named  # noqa: E402
-from lightning_fleet.runtime.base import ENGINE_CHECK  # noqa: E402
 from lightning_fleet.strategy_names import PRESETS  # noqa: E402
 
 
@@ -183,16 +152,19 @@ class FleetStrategy(DDPStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        for name, value in (("global_batch_size", global_batch_size), ("micro_batch_size", micro_batch_size)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise FleetError(f"FleetStrategy({name}={value!r}): must be a positive integer or None")
-        every = rebalance_every_n_steps
-        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 0):
-            raise FleetError(f"FleetStrategy(rebalance_every_n_steps={every!r}): must be a non-negative integer (0: never) or None")
-        self.rebalance_every_n_steps = every
-        if resume not in RESUME_POLICIES:
-            raise FleetError(f"FleetStrategy(resume={resume!r}): must be one of {', '.join(map(repr, RESUME_POLICIES))}")
-        self.options = JobOptions(
+        check_batch_sizes(global_batch_size=global_batch_size, micro_batch_size=micro_batch_size)
+        settings = FitSettings(
+            cluster=cluster,
+            checkpoint_dir=Path(checkpoint_dir) if checkpoint_dir is not None else None,
+            checkpoint_every_n_steps=checkpoint_every_n_steps,
+            checkpoint_every_n_seconds=checkpoint_every_n_seconds,
+            resume=resume,
+            progress=progress,
+            hand_back=hand_back,
+            rebalance_every_n_steps=rebalance_every_n_steps,
+            non_finite=non_finite,
+        )
+        options = JobOptions(
             plan=plan,
             micro_batch_size=micro_batch_size,
             global_batch_size=global_batch_size,
@@ -203,29 +175,9 @@ class FleetStrategy(DDPStrategy):
             zero_stages=tuple(zero_stages),
             top=top,
         )
-        """What the planner was asked (see :class:`lightning_fleet.decide.JobOptions`)."""
-        self.cluster_source = cluster
-        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir is not None else None
-        self.checkpoint_every = (checkpoint_every_n_steps, checkpoint_every_n_seconds)
-        self.resume, self.progress, self.hand_back = resume, progress, hand_back
-        if non_finite not in NON_FINITE_POLICIES:
-            choices = ", ".join(map(repr, NON_FINITE_POLICIES))
-            raise FleetError(f"FleetStrategy(non_finite={non_finite!r}): must be one of {choices}")
-        self.non_finite = non_finite
-        self.runtime = runtime if runtime == AUTO else _installed_runtime(runtime).name
-        """The runtime asked for: a name, or "auto" (the decision's ``runtime`` says which one trains)."""
-        self.backend = _face_runtime(type(self)).load_backend()
-        """The runtime that applies the decision (the face's; the chosen runtime's from setup on)."""
-        self.decision: Decision | None = None
-        """What this fit decided at setup (plan, estimate, cluster, resume); read-only afterwards."""
-        self.profile: Profile | None = None
-        """How the module was measured (method, fallbacks, what it means for the plan)."""
-        self.startup_s: dict[str, float] = {}
-        """Seconds spent at setup reading/measuring the cluster, choosing (verifying) the checkpoint to continue, profiling,
-        and deciding (incl. broadcasts)."""
-        self.resumed_from: Path | None = None
-        """The checkpoint this fit resumed from (None for a fresh start)."""
-        self._fit = _FitState()
+        asked = runtime if runtime == AUTO else _installed_runtime(runtime).name
+        self.core = FitCore(self, options, settings, asked, _face_runtime(type(self)).load_backend())
+        """The neutral fit core (lightning_fleet/fit.py) this face delegates to."""
 
     def _take_face(self, runtime: str) -> None:
         """Become the Lightning face of the runtime asked for, before Lightning's own __init__ runs: Lightning chooses
@@ -242,18 +194,37 @@ class FleetStrategy(DDPStrategy):
             chosen = _installed_runtime(runtime)
         self.__class__ = _with_face(type(self), chosen)
 
-    # --- what was decided ---------------------------------------------------------------------------
+    # --- what was decided (the core's, read here) -----------------------------------------------------
+
+    @property
+    def options(self) -> JobOptions:
+        """What the planner was asked (see :class:`lightning_fleet.decide.JobOptions`)."""
+        return self.core.options
+
+    @property
+    def settings(self) -> FitSettings:
+        """The rest of what the user set (see :class:`lightning_fleet.fit.FitSettings`)."""
+        return self.core.settings
+
+    @property
+    def runtime(self) -> str:
+        """The runtime asked for: a name, or "auto" (the decision's ``runtime`` says which one trains)."""
+        return self.core.runtime
+
+    @property
+    def backend(self) -> Any:
+        """The runtime that applies the decision (the face's; the chosen runtime's from setup on)."""
+        return self.core.backend
+
+    @property
+    def decision(self) -> Decision | None:
+        """What this fit decided at setup (plan, estimate, cluster, resume)."""
+        return self.core.decision
 
     @property
     def plan(self) -> Plan | None:
         """The plan being trained (set at setup)."""
-        return self.decision.plan if self.decision is not None else None
-
-    @property
-    def rebalances(self) -> tuple[str, ...]:
-        """What each rebalance of the last fit did (the lines rank 0 printed): the ranks' speeds, the step it was decided
-        at, the new micro-batch sizes and the step they start at."""
-        return tuple(self._fit.rebalanced)
+        return self.core.plan
 
     @property
     def estimate(self) -> Estimate | None:
@@ -270,10 +241,32 @@ class FleetStrategy(DDPStrategy):
         """The cluster planned for (measured or given)."""
         return self.decision.cluster if self.decision is not None else None
 
+    @property
+    def profile(self) -> Profile | None:
+        """How the module was measured (method, fallbacks, what it means for the plan)."""
+        return self.core.profile
+
+    @property
+    def startup_s(self) -> dict[str, float]:
+        """Seconds spent at setup reading/measuring the cluster, choosing (verifying) the checkpoint to continue,
+        profiling, and deciding (incl. broadcasts)."""
+        return self.core.startup_s
+
+    @property
+    def resumed_from(self) -> Path | None:
+        """The checkpoint this fit resumed from (None for a fresh start)."""
+        return self.core.resumed_from
+
+    @property
+    def rebalances(self) -> tuple[str, ...]:
+        """What each rebalance of the last fit did (the lines rank 0 printed): the ranks' speeds, the step it was decided
+        at, the new micro-batch sizes and the step they start at."""
+        return tuple(self.core.rebalanced)
+
     def checkpoint_facts(self) -> JobFacts:
         """What a checkpoint of this fit records so that only a compatible job resumes it (see elastic/compatibility.py)."""
-        assert self._fit.facts is not None, "checkpoint_facts() is known from setup on"
-        return self._fit.facts
+        assert self.core.facts is not None, "checkpoint_facts() is known from setup on"
+        return self.core.facts
 
     # --- Lightning's CUDA-only seams, lifted on CPU ---------------------------------------------
 
@@ -332,34 +325,36 @@ class FleetStrategy(DDPStrategy):
 
         if self._timeout is not None:
             for name in ("default_pg_timeout", "default_pg_nccl_timeout"):
-                self._patch(distributed_c10d, name, self._timeout)
+                self.core.patch(distributed_c10d, name, self._timeout)
         trainer = self.lightning_module._trainer if self.lightning_module is not None else None
         loop = trainer.fit_loop.epoch_loop if trainer is not None else None
         broadcast = strict_sigterm_broadcast(loop, self._timeout) if loop is not None else None
         if broadcast is not None:
-            self._patch(loop, "_broadcast_sigterm_tensor", broadcast)
+            self.core.patch(loop, "_broadcast_sigterm_tensor", broadcast)
         die_with_agent()
 
     def _get_process_group_backend(self) -> str:
         return self._process_group_backend or ("nccl" if self.root_device.type == "cuda" else "gloo")
 
-    # --- setup: decide once, then apply ---------------------------------------------------------------
+    # --- setup: the core decides once and applies; the face follows -----------------------------------
 
     def setup(self, trainer) -> None:  # type: ignore[no-untyped-def]
-        """fit: decide (rank 0 decides, every rank reads the same Decision), apply it, let DeepSpeed set up;
+        """fit: the core decides (rank 0 decides, every rank reads the same Decision), this face becomes the chosen
+        runtime's, the core applies the decision, Lightning's own setup builds the engine through the face's seam;
         validate/test/predict: whole-module replicas."""
         if trainer.state.fn != TrainerFn.FITTING:
             self._setup_evaluation(trainer)
             return
         with deterministic_errors():  # every attempt of this job would raise them again: no restart loop
             _check_trainer_flags(trainer)
-            fit = self._fit
+            core = self.core
             seed = self.broadcast(_sampler_seed())  # rank 0's: ranks seeded apart (seed + rank) still read one order
-            fit.facts = job_facts(self.lightning_module, global_batch_size=self.options.global_batch_size, data_seed=seed)
+            core.begin(self.lightning_module, _user_training_loader(trainer), data_seed=seed)
             directory = self._attach_callbacks(trainer)
-            fit.data = inspect_training_loader(_user_training_loader(trainer))
-            self.decision = self._decide(trainer, directory)
-            self._become(self.decision.runtime)
+            shape = WorldShape(world_size=self.world_size, num_nodes=self.num_nodes, local_world_size=self.num_processes)
+            decision = core.decide(requested=_requested_checkpoint(trainer), directory=directory,
+                                   precision=str(trainer.precision), shape=shape)
+            self._become(decision.runtime)
             self._apply(trainer)
             self._use_training_precision()
             super().setup(trainer)
@@ -368,14 +363,15 @@ class FleetStrategy(DDPStrategy):
         """FleetProgress, NonFiniteGuard, and FleetCheckpoint for checkpoint_dir, which claims its directory (lock, probe)
         before anything reads it; the directory whose newest checkpoint a fit without ``ckpt_path`` continues (None: no
         FleetCheckpoint). Lightning's resume is pointed at the decided checkpoint."""
+        settings = self.settings
         if not any(isinstance(c, FleetProgress) for c in trainer.callbacks):
-            trainer.callbacks.append(FleetProgress(lines=self.progress))
+            trainer.callbacks.append(FleetProgress(lines=settings.progress))
         if not any(isinstance(c, NonFiniteGuard) for c in trainer.callbacks):
-            trainer.callbacks.insert(0, NonFiniteGuard(self.non_finite))  # a step's verdict before any callback saves it
+            trainer.callbacks.insert(0, NonFiniteGuard(settings.non_finite))  # a step's verdict before any callback saves it
         callbacks = [c for c in trainer.callbacks if isinstance(c, FleetCheckpoint)]
-        if self.checkpoint_dir is not None and not callbacks:
-            steps, seconds = self.checkpoint_every
-            callbacks = [FleetCheckpoint(self.checkpoint_dir, every_n_steps=steps, every_n_seconds=seconds)]
+        if settings.checkpoint_dir is not None and not callbacks:
+            callbacks = [FleetCheckpoint(settings.checkpoint_dir, every_n_steps=settings.checkpoint_every_n_steps,
+                                         every_n_seconds=settings.checkpoint_every_n_seconds)]
             trainer.callbacks.append(callbacks[0])
         if not callbacks:
             return None
@@ -392,203 +388,30 @@ class FleetStrategy(DDPStrategy):
         connector.resume_start = resume_from_decided
         return callbacks[0].dirpath
 
-    def _decide(self, trainer, directory: Path | None) -> Decision:  # type: ignore[no-untyped-def]
-        """The fit's one Decision: rank 0 chooses the checkpoint to continue (verified once), every rank
-        profiles the module at the resulting global batch, rank 0 decides; each step is broadcast once."""
-        fit, started = self._fit, time.perf_counter()
-        cluster = self._resolve_cluster()
-        measured = time.perf_counter()
-        requested = _requested_checkpoint(trainer)
-        chosen = self._on_rank_zero(
-            lambda: checkpoint_to_continue(Path(requested) if requested is not None else None, directory, fit.facts, self.resume)
-        )
-        path, manifest = (str(chosen.path), chosen.manifest) if chosen is not None else (None, None)
-        assert fit.data is not None
-        gbs = job_global_batch_size(self.options, loader_batch_size=fit.data.batch_size, world_size=self.world_size, manifest=manifest)
-        chosen_at = time.perf_counter()
-        facts = self._profile(trainer, fit.data, gbs)
-        profiled = time.perf_counter()
-
-        runtimes, runtime_notes = self._usable_runtimes(str(trainer.precision))
-
-        def decide_here() -> Decision:
-            resume = resume_of(path, manifest, self.world_size)
-            decision = decide(facts, cluster, world_size=self.world_size, options=self.options,
-                              runtimes=tuple(r.capabilities for r in runtimes), resume=resume,
-                              cluster_notes=(fit.ranks_line,) if fit.ranks_line else (), runtime_notes=runtime_notes)
-            print("\n".join(decision.report), flush=True)  # logged once, by the rank that decided
-            return decision
-
-        decision = self._on_rank_zero(decide_here)
-        self.startup_s = {
-            "cluster_s": measured - started,
-            "checkpoint_s": chosen_at - measured,
-            "profile_s": profiled - chosen_at,
-            "plan_s": time.perf_counter() - profiled,
-        }
-        return decision
-
-    def _usable_runtimes(self, precision: str) -> tuple[list[Runtime], tuple[str, ...]]:
-        """The runtimes this fit may use (the one asked for, or under "auto" every installed one), those whose backend
-        refuses the Lightning ``precision`` on this device left out, and a note for each left out."""
-        asked = [runtime_named(self.runtime)] if self.runtime != AUTO else [r for r in RUNTIMES if r.installed()]
-        usable, notes = [], []
-        for runtime in asked:
-            backend = self.backend if runtime.backend == _face_runtime(type(self)).backend else runtime.load_backend()
-            refusal = backend.precision_refusal(precision, self.root_device.type)
-            if refusal is None:
-                usable.append(runtime)
-            elif len(asked) == 1:
-                raise FleetError(refusal)
-            else:
-                notes.append(f"not {runtime.name}: {refusal}")
-        return usable, tuple(notes)
-
     def _become(self, name: str) -> None:
-        """Turn into the face of the runtime the decision chose (the same object: the Trainer holds it): its class, its
-        backend, and the precision plugin Lightning would have built for that class."""
+        """Turn into the face of the runtime the decision chose (the same object: the Trainer holds it): its class, the
+        core's backend, and the precision plugin Lightning would have built for that class."""
         runtime = runtime_named(name)
+        self.core.use(runtime)
         if _runtime_of_class(type(self)) is runtime:
             return
         self.__class__ = _with_face(type(self), runtime)
-        self.backend = runtime.load_backend()
         self.precision_plugin = _autocast_precision(str(self.precision_plugin.precision), self.root_device.type)
 
-    def _profile(self, trainer, data: TrainingData, global_batch_size: int) -> ModuleFacts:  # type: ignore[no-untyped-def]
-        """Profile the module on the first samples of its training data (every rank; nothing of the module changes) and
-        reduce the profile to what the decision needs."""
-        module = self.lightning_module
-        example = example_batch(data, data.batch_size)
-        precision = Precision.from_lightning(str(trainer.precision))
-        self.profile = profile(module, example, global_batch_size=global_batch_size, precision=precision, name=type(module).__name__)
-        return ModuleFacts(
-            spec=self.profile.spec,
-            hooks=module_hooks(module, sparse_params=self.profile.sparse_params, pipeline_problem=self.profile.pipeline_problem),
-            loader_batch_size=data.batch_size,
-            batch_dependent=self.profile.batch_dependent,
-            profile_lines=tuple(self.profile.report_lines()),
-        )
-
-    def _resolve_cluster(self) -> ClusterSpec:
-        """The cluster to plan for: the one given (its size checked against the job), else this machine's measurement
-        (rank 0's numbers, cached per host and world shape), its ranks probed at every start: a rank is described on
-        its own only where this start's probe rounds all find it slower (the cache keeps no per-rank speed). Why the
-        ranks were judged alike or different goes into the start-up report (``_fit.ranks_line``)."""
-        shape = WorldShape(world_size=self.world_size, num_nodes=self.num_nodes, local_world_size=self.num_processes)
-        if self.cluster_source is not None:
-            cluster = self.cluster_source if isinstance(self.cluster_source, ClusterSpec) else load_cluster(self.cluster_source)
-            if cluster.world_size != self.world_size:
-                raise FleetError(
-                    f"cluster {cluster.name!r} has {cluster.world_size} devices ({cluster.num_nodes} nodes x "
-                    f"{cluster.devices_per_node}) but this job runs {self.world_size} processes ({self.num_nodes} nodes x "
-                    f"{self.num_processes}): fix the cluster file or drop cluster= to measure this machine"
-                )
-            return cluster
-        path = cache_path(self.root_device, shape)
-        cached = self.broadcast(load_cached(path) if self.is_global_zero else None)
-        if cached is not None:
-            ranks = measure_ranks(self.root_device, device_memory_gib(self.root_device, self.num_processes))
-            measured = with_rank_devices(cached, ranks)  # every rank gathered the same rounds: the same cluster
-        else:
-            measurement = measure(self.root_device, shape)
-            ranks = measurement.ranks
-            measured = self.broadcast(measurement.cluster)  # every rank plans with rank 0's numbers
-            if self.is_global_zero:
-                save_cache(measured, path)
-        assert ranks is not None
-        self._fit.ranks_line = ranks.judged().line()
-        return measured
-
     def _apply(self, trainer) -> None:  # type: ignore[no-untyped-def]
-        """Apply the decision: the runtime's config, a resharded checkpoint's conversion (rank 0, once), and the
-        module changes the runtime needs for this fit (undone at teardown)."""
-        decision = self.decision
-        assert decision is not None
-        resume = decision.resume
-        if resume.kind is ResumeKind.RESHARD:
-            assert resume.path is not None and resume.manifest is not None
-            verified = VerifiedCheckpoint(Path(resume.path), resume.manifest)
-            self._fit.universal = self._on_rank_zero(lambda: self._converted(verified))
-        module = self.lightning_module
-        tp = tensor_parallel_hook(module)
-        self._fit.runtime_config = self.backend.config(
-            decision.plan,
-            gradient_clipping=float(trainer.gradient_clip_val or 0.0),
-            device_type=self.root_device.type,
-            tensor_parallel=tp[1] if tp else None,
-            universal=resume.kind is ResumeKind.RESHARD,
-        )
-        for obj, name, value in self.backend.module_patches(module, decision.plan, find_layers(module), self.precision_plugin):
-            self._patch(obj, name, value)
-
-    def _converted(self, checkpoint: VerifiedCheckpoint) -> VerifiedCheckpoint:
-        """Rank 0: the checkpoint to reshard in the form this fit's runtime loads: converted by that runtime when it wrote
-        it; else its whole state exported by the runtime that did and imported by this one (each listed in the
-        manifest once)."""
-        writer = writer_of(checkpoint.manifest)
-        if writer == self.backend.capabilities.name:
-            return self.backend.reshard(checkpoint)
-        exported = runtime_named(writer).load_backend().export_state(checkpoint)
-        return self.backend.import_state(checkpoint, exported)
+        """The core applies the decision (the runtime's configuration, a resharded checkpoint's conversion, the module
+        changes for this fit); returns nothing: a face that reads the configuration overrides this."""
+        self.core.apply(gradient_clipping=float(trainer.gradient_clip_val or 0.0), precision_plugin=self.precision_plugin)
 
     def _build_engine(self, model: Any, optimizer: Any, lr_scheduler: Any = None) -> tuple[Any, Any]:
-        """The runtime's engine over the module (recorded first: what the end of fit hands back)."""
-        assert self.plan is not None
-        self._fit.module_record = self.backend.record(model)  # before the runtime changes it
-        for obj, name in self.backend.process_globals():
-            self._patch(obj, name, getattr(obj, name))
-        stack = find_layers(model)
-        engine, optimizer = self.backend.build(
-            model,
-            optimizer,
-            lr_scheduler,
-            plan=self.plan,
-            config=self._fit.runtime_config,
-            device_rank=self.local_rank if self.root_device.index is None else self.root_device.index,
-            layers=list(stack) if stack is not None else None,
-        )
-        self._fit.engine, self._fit.handed_back = engine, False
-        return engine, optimizer
-
-    def _on_rank_zero(self, fn):  # type: ignore[no-untyped-def]
-        """Run ``fn`` on rank 0 and give every rank its result, or raise its FleetError on every rank. Any other
-        exception on rank 0 is raised there as it is and as a FleetError naming it on the others (none waits forever)."""
-        result: Any = None
-        failure: BaseException | None = None
-        if self.is_global_zero:
-            try:
-                result = fn()
-            except FleetError as err:
-                result = err
-            except Exception as err:  # a bug or an OS error: the other ranks must not wait for a broadcast
-                failure, result = err, FleetError(f"rank 0 failed while deciding for every rank: {type(err).__name__}: {err}")
-        result = self.broadcast(result)
-        if failure is not None:
-            raise failure
-        if isinstance(result, FleetError):
-            raise result
-        return result
-
-    # --- module changes for a fit, undone at teardown ----------------------------------------------
-
-    def _patch(self, obj: Any, name: str, value: Any) -> None:
-        """Set ``obj.name = value`` for this fit, remembering how to undo it."""
-        had = name in vars(obj)
-        self._fit.restorers.append((obj, name, had, vars(obj).get(name)))
-        setattr(obj, name, value)
-
-    def _undo_module_patches(self) -> None:
-        while self._fit.restorers:
-            obj, name, had, old = self._fit.restorers.pop()
-            if had:
-                setattr(obj, name, old)
-            else:
-                delattr(obj, name)
+        """The runtime's engine over the module (the core records the module first: what the end of fit hands back)."""
+        device_rank = self.local_rank if self.root_device.index is None else self.root_device.index
+        return self.core.build_engine(model, optimizer, lr_scheduler, device_rank=device_rank)
 
     def teardown(self) -> None:
-        """Undo what this strategy (and the runtime: ZeRO-3's process-wide ``F.linear``) changed for training: gradient
-        zeroing, recomputation wrappers; the engine stays, for ``trainer.save_checkpoint`` after fit."""
-        self._undo_module_patches()
+        """Undo what this fit changed for training (gradient zeroing, recomputation wrappers, the runtime's process-wide
+        replacements such as ZeRO-3's ``F.linear``); the engine stays, for ``trainer.save_checkpoint`` after fit."""
+        self.core.undo_patches()
         super().teardown()
 
     # --- validate / test / predict outside fit: whole-model replicas, no engine -------------------
@@ -596,7 +419,7 @@ class FleetStrategy(DDPStrategy):
     def _setup_evaluation(self, trainer) -> None:  # type: ignore[no-untyped-def]
         """validate/test/predict outside fit: every rank holds the whole model (a fit's engine in this process is
         released first, its trained weights gathered into the module) and evaluates its share of the data."""
-        self._release_engine()
+        self.model = self.core.release_engine(self.lightning_module)
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         self._use_evaluation_precision()
@@ -604,65 +427,41 @@ class FleetStrategy(DDPStrategy):
         self.model_to_device()
         self.barrier("fleet-evaluation-setup")
 
-    def _release_engine(self) -> None:
-        """Evaluate the module itself: after a fit in this process it is already a plain module holding the trained
-        weights (restored at the end of training); the engine is kept only for ``trainer.save_checkpoint``."""
-        if self._fit.engine is not None and self._fit.module_record is not None:
-            self.backend.hand_back(self, self._fit.module_record)  # a no-op when the end of training restored it already
-        self.model = self.lightning_module
-        self._undo_module_patches()
-
     @property
     def engine(self) -> Any:
         """The runtime's engine of the last fit (it still saves checkpoints after the module was handed back for
         evaluation)."""
-        return self._fit.engine if self._fit.engine is not None else self.model
+        return self.core.engine if self.core.engine is not None else self.model
 
     @property
     def gradient_check(self) -> str:
-        """How NonFiniteGuard checks a step's gradient while the engine trains (``Backend.gradient_check`` of the plan;
-        under a pipeline, or outside fit, the engine's own way)."""
-        plan = self.plan
-        if not self._engine_in_use() or plan is None or plan.pp > 1:
-            return ENGINE_CHECK
-        return self.backend.gradient_check(plan)
+        """How NonFiniteGuard checks a step's gradient while the engine trains (:meth:`FitCore.gradient_check`)."""
+        return self.core.gradient_check(self.model)
 
     def _engine_in_use(self) -> bool:
         """Whether the runtime's engine trains or evaluates now (not after the module was handed back)."""
-        return self._fit.engine is not None and self.model is self._fit.engine and not self._fit.handed_back
+        return self.core.engine_in_use(self.model)
 
     def on_train_end(self) -> None:
         """Hand the user's module back, as a plain module in its original structure holding the trained weights on every
         rank (collective; runs after the callbacks' on_train_end, so after the final checkpoint, and only when training
-        ended normally). The engine still saves checkpoints afterwards (runtime/deepspeed/weights.py). Skipped, with one
-        line, when ``hand_back=False`` or when the whole model in fp32 on every local rank would not fit the host's memory."""
-        record = self._fit.module_record
-        if self._fit.engine is None or record is None or not self.hand_back:
-            return
-        needed = self.num_processes * self.backend.hand_back_bytes(record)
-        available = across_ranks(float(psutil.virtual_memory().available), self.root_device)  # the least free
-        if needed > 0.8 * available:
-            if self.is_global_zero:
-                print(
-                    f"lightning_fleet: the module is left as {self.backend.capabilities.label} trained it: handing its {needed / self.num_processes / GIB:.1f} GiB "
-                    f"of fp32 weights back to {self.num_processes} processes per node needs {needed / GIB:.1f} GiB of host memory, "
-                    f"{available / GIB:.1f} GiB is free; export the weights instead (fleet export, README 'Getting the weights out')",
-                    flush=True,
-                )
-            return
-        self.backend.hand_back(self, record)
-        self._fit.handed_back = True
+        ended normally; :meth:`FitCore.hand_back_at_end`). The engine still saves checkpoints afterwards."""
+        if self.core.hand_back_at_end() and self.core.engine is not self.model:
+            self.model = self.core.engine  # a runtime that let its engine go handed the module back in its place
 
     def _use_evaluation_precision(self) -> None:
         """Without an engine, mixed precision is autocast (DeepSpeed casts the module itself during fit)."""
-        if self._fit.training_precision is None:
-            self._fit.training_precision = self.precision_plugin
-        self.precision_plugin = _autocast_precision(str(self._fit.training_precision.precision), self.root_device.type)
+        if self._training_precision is None:
+            self._training_precision = self.precision_plugin
+        self.precision_plugin = _autocast_precision(str(self._training_precision.precision), self.root_device.type)
 
     def _use_training_precision(self) -> None:
-        if self._fit.training_precision is not None:
-            self.precision_plugin = self._fit.training_precision
-            self._fit.training_precision = None
+        if self._training_precision is not None:
+            self.precision_plugin = self._training_precision
+            self._training_precision = None
+
+    _training_precision: Any = None
+    """The runtime face's precision plugin while an evaluation uses a plain one."""
 
     # --- the training data: global-batch order, micro-batches per step --------------------------
 
@@ -677,30 +476,14 @@ class FleetStrategy(DDPStrategy):
     @property
     def dp_rank(self) -> int:
         """This rank's data-parallel replica index under the plan (its placement: Plan.coordinates)."""
-        assert self.plan is not None
-        return self.plan.coordinates(self.global_rank).dp
+        return self.core.dp_rank
 
     def process_dataloader(self, dataloader: object) -> object:
         """Re-batch the training data into this rank's step batches of ``gas`` micro-batches of ``mbs`` (see data.py)."""
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        data = self._fit.data
-        if self.plan is None or data is None or trainer is None or trainer.state.stage != RunningStage.TRAINING:
+        if self.plan is None or self.core.data is None or trainer is None or trainer.state.stage != RunningStage.TRAINING:
             return dataloader
-        plan = self.plan
-        self._fit.shares = ShareSchedule(plan.uneven_shares())
-        workers = data.options.num_workers
-        self._fit.prefetched_steps = 2 + (data.options.prefetch_factor or 2) * workers if workers else 2
-        with deterministic_errors():  # e.g. fewer samples than one global batch: every attempt would say so again
-            return step_loader(
-                data,
-                global_batch_size=plan.global_batch_size,
-                dp_size=plan.dp,
-                dp_rank=self.dp_rank,
-                gas=plan.gas,
-                shares=self._fit.shares,
-                seed=self.checkpoint_facts().data_seed,  # the seed the checkpoints record
-                first_step=lambda: trainer.global_step,
-            )
+        return self.core.step_batches(first_step=lambda: trainer.global_step)
 
     # --- the step ------------------------------------------------------------------------------------
 
@@ -709,17 +492,18 @@ class FleetStrategy(DDPStrategy):
         A collective in it that a hung or lost peer fails (ZeRO-3's gathers, the accumulated backwards' reductions, a
         pipeline's sends) ends this rank in one line (:func:`lightning_fleet.elastic.worker.collectives`), as in
         :meth:`backward` and :meth:`optimizer_step`."""
-        with collectives("the training step (DeepSpeed's forward and accumulated backward passes)", self._timeout):
+        with collectives(f"the training step ({self.backend.capabilities.label}'s forward and accumulated backward passes)", self._timeout):
             return self._training_step(*args, **kwargs)
 
     def _training_step(self, *args: Any, **kwargs: Any) -> Any:
         batch, *rest = args
         if not isinstance(batch, MicroBatches):
             return super().training_step(*args, **kwargs)
-        self._rebalance()
+        module = self.lightning_module
+        self.core.rebalance(module.trainer.global_step, may=module.automatic_optimization and self._engine_in_use())
         if self._pipelined():
             return self._pipeline_step(batch)
-        if not self.lightning_module.automatic_optimization:  # the plan has one micro-batch; the user steps
+        if not module.automatic_optimization:  # the plan has one micro-batch; the user steps
             return super().training_step(batch[0], *rest, **kwargs)
         self._zero_gradients()
         losses = []
@@ -760,77 +544,28 @@ class FleetStrategy(DDPStrategy):
         return loss
 
     def _pipelined(self) -> bool:
-        return self._engine_in_use() and self.plan is not None and self.plan.pp > 1
+        return self.core.pipelined(self.model)
 
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         """Under a pipeline the engine ran backward inside its schedule already; otherwise the runtime's backward of the
         loss weighted by this replica's share (:meth:`_weighted`)."""
         if self._pipelined():
             return closure_loss
-        with collectives("the backward pass (the loss check and DeepSpeed's gradient reduction)", self._timeout):
+        with collectives(f"the backward pass (the loss check and {self.backend.capabilities.label}'s gradient reduction)", self._timeout):
             return super().backward(self._weighted(closure_loss), optimizer, *args, **kwargs)
 
     def _weighted(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss`` times this replica's share of the step being trained over an equal share, when the replicas' shares
-        differ (``dp_mbs``, :class:`ShareSchedule`): the runtime averages the replicas' gradients, which is then the
-        mean over the global batch; and over the step's micro-batches where the runtime sums their gradients
-        (``Backend.averages_micro_batches`` False). The loss the user sees (progress bar, logs) stays unweighted."""
+        """``loss`` times this replica's weight at the step being trained (:meth:`FitCore.loss_weight`) while the engine
+        trains. The loss the user sees (progress bar, logs) stays unweighted."""
         if not self._engine_in_use():
             return loss
-        schedule = self._fit.shares
-        shares = schedule.at(self.lightning_module.trainer.global_step) if schedule is not None else None
-        weight = share_weight(shares, self.dp_rank) if shares is not None else 1.0
-        if not self.backend.averages_micro_batches and self.plan is not None and self.plan.gas > 1:
-            weight /= self.plan.gas
+        weight = self.core.loss_weight(self.lightning_module.trainer.global_step)
         return loss if weight == 1.0 else loss * weight
-
-    def _rebalance(self) -> None:
-        """Every ``rebalance_every_n_steps`` steps (collective: every rank trains the same step): probe each rank's
-        sustained speed; when the planner finds a split of each micro-step's samples by them predicted REBALANCE_GAIN
-        faster than the one in use (:func:`planning.search.rebalance`), use it from the first step the data pipeline has
-        not cut yet (the sampler and the loss weights read the
-        same :class:`ShareSchedule`); the plan and its estimate follow from that step on."""
-        trainer, decision, fit = self.lightning_module.trainer, self.decision, self._fit
-        step = trainer.global_step
-        every = REBALANCE_EVERY_N_STEPS if self.rebalance_every_n_steps is None else self.rebalance_every_n_steps
-        if decision is None or fit.shares is None:
-            return
-        pending = fit.pending
-        if pending is not None and step >= pending[0]:
-            self.decision, fit.pending = dataclasses.replace(decision, plan=pending[1].plan, estimate=pending[1]), None
-            return
-        if not every or step == 0 or step % every or not self._may_rebalance() or pending is not None:
-            return
-        if self.rebalance_every_n_steps is None:  # automatic: keep the probes' share of the time trained small
-            since = across_ranks(time.perf_counter() - fit.last_probe, self.root_device)  # the same answer on every rank
-            if since * REBALANCE_OVERHEAD < RANK_PROBE_S:
-                return
-        fit.last_probe = time.perf_counter()
-        ranks = measure_ranks(self.root_device, device_memory_gib(self.root_device, self.num_processes))
-        start = step + fit.prefetched_steps
-        change = rebalance_by(ranks, decision.estimate.model, decision.cluster, decision.estimate.plan,
-                              overlaps=self.backend.capabilities.overlaps, step=step, start=start)
-        if change is None:
-            return
-        new, line = change
-        fit.shares.set_from(start, new.plan.uneven_shares())
-        fit.pending = (start, new)
-        fit.rebalanced.append(line)
-        if self.global_rank == 0:
-            print(line, flush=True)
-
-    def _may_rebalance(self) -> bool:
-        """Rebalancing keeps the optimisation only for a data-parallel plan of a loss known to be a per-sample mean,
-        stepped by the engine, on a runtime that weights replicas."""
-        plan, module = self.plan, self.lightning_module
-        return (plan is not None and plan.dp > 1 and plan.pp == 1 and self.backend.capabilities.uneven_dp
-                and self.profile is not None and self.profile.batch_dependent is False
-                and getattr(module, "automatic_optimization", True) and self._engine_in_use())
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         """Under a pipeline the closure runs the step's schedule, which also stepped the engine. A collective that a hung
         or lost peer fails is one line (the closure's training step and backward name themselves)."""
-        with collectives("the optimizer step (DeepSpeed's gradient reduction and weight gather)", self._timeout):
+        with collectives(f"the optimizer step ({self.backend.capabilities.label}'s gradient reduction and weight gather)", self._timeout):
             if self._pipelined():
                 return closure()
             return super().optimizer_step(optimizer, closure, model, **kwargs)
@@ -839,7 +574,7 @@ class FleetStrategy(DDPStrategy):
         """Under a pipeline each rank's engine trains only its stage: bring every stage's current weights into the module
         so that the user's own validation_step runs on the whole model."""
         if self._pipelined():
-            self.backend.gather_stages(self._fit.engine, self.lightning_module)
+            self.backend.gather_stages(self.core.engine, self.lightning_module)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         """The user's validation_step; under a pipeline on the module itself (its stages synchronised at validation start)."""
@@ -856,55 +591,18 @@ class FleetStrategy(DDPStrategy):
         if storage_options is not None:
             raise TypeError(f"Trainer.save_checkpoint(storage_options=...) is not supported by {type(self).__name__}: its checkpoints are directories")
         filepath = self.broadcast(filepath)  # every rank saves into rank 0's path
-        self.backend.save(self.engine, filepath, checkpoint)
-        self.backend.write_layout(self, filepath, self._fit.module_record)  # every rank (collective for ZeRO-0 fp16/bf16 masters); rank 0 writes
+        self.core.save(self.engine, filepath, checkpoint)
         self.barrier("fleet-layout-written")
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """fit: the decided FleetCheckpoint step (verified once at setup, each file checked again as it is read; resharded
-        or as written, with each rank's RNG), or a ``trainer.save_checkpoint`` dir; validate/test/predict: any checkpoint
-        of any plan as full weights, or a single file. Every file is read by the restricted unpickler."""
+        """fit: the core's load route (:meth:`FitCore.load`); validate/test/predict: any checkpoint of any plan as full
+        weights, or a single file. Every file is read by the restricted unpickler."""
         path = Path(checkpoint_path)
         if self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
             if path.is_dir():
                 return lightning_checkpoint(path)
             return load_file(path, kind=KIND_LIGHTNING)  # our restricted unpickler, never torch's process-wide one
-        resume = self.decision.resume if self.decision is not None else None
-        if resume is None or resume.path is None or Path(resume.path) != path:
-            return self._load_plain(path)
-        return self._load_decided(path, resume)
-
-    def _load_plain(self, path: Path) -> dict[str, Any]:
-        """A ``trainer.save_checkpoint`` dir given as ``ckpt_path`` (no manifest): loaded by the restricted unpickler."""
-        if (path / MANIFEST).is_file():  # only the step decided at setup is continued
-            raise FleetError(f"checkpoint {path} was not the one this fit decided to continue at setup; pass it as ckpt_path")
-        _check_is_directory(path)
-        strict = self.lightning_module.strict_loading
-        return self.backend.load(self.engine, path, optimizer_states=True, strict=strict, checkpoint=None)
-
-    def _load_decided(self, path: Path, resume: Resume) -> dict[str, Any]:
-        """The FleetCheckpoint step the decision continues: its universal form when resharded, else its shards and this
-        rank's RNG state."""
-        manifest, strict = resume.manifest, self.lightning_module.strict_loading
-        assert manifest is not None
-        engine = self.engine
-        if resume.kind is ResumeKind.RESHARD:
-            assert self._fit.universal is not None
-            state = self.backend.load(engine, self.backend.derived_of(self._fit.universal), optimizer_states=True, strict=strict,
-                                      checkpoint=self._fit.universal)
-            how = f"resharded from {manifest.world_size} to {self.world_size} processes, {manifest.plan} -> {self.plan}"
-        else:
-            checkpoint = VerifiedCheckpoint(path, manifest)
-            state = self.backend.load(engine, self.backend.state_of(path), optimizer_states=True, strict=strict, checkpoint=checkpoint)
-            name = rank_file_name(self.global_rank)
-            rng = manifest.files.get(name)
-            if rng is not None:
-                RngState.from_checkpoint(load_file(rank_file(path, self.global_rank), rng, kind=manifest.kinds[name])).install()
-            how = "same plan and world"
-        self.resumed_from = path
-        if self.is_global_zero:
-            print(f"lightning_fleet: resumed from {path} (step {manifest.step}; {how})", flush=True)
-        return state
+        return self.core.load(path, strict=self.lightning_module.strict_loading)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         """Evaluation loads the full weights into the module; a fit's engine loaded its state in load_checkpoint."""
@@ -948,7 +646,7 @@ class DeepSpeedFleetStrategy(FleetStrategy, DeepSpeedStrategy):
     def _apply(self, trainer) -> None:  # type: ignore[no-untyped-def]
         """FleetStrategy's apply; DeepSpeedStrategy reads the runtime's configuration as ``self.config``."""
         super()._apply(trainer)
-        self.config = self._fit.runtime_config
+        self.config = self.core.runtime_config
 
     def _format_batch_size_and_grad_accum_config(self) -> None:
         """Micro-batch and accumulation come from the plan, not from the Trainer's flags."""
@@ -1002,40 +700,15 @@ class TorchFleetStrategy(FleetStrategy):
     def setup_optimizers(self, trainer) -> None:  # type: ignore[no-untyped-def]
         """Lightning's optimizers over the engine's parameters, then handed to the runtime (a shard level may wrap them)."""
         super().setup_optimizers(trainer)
-        self.optimizers = [self.backend.optimizer(self._fit.engine, optimizer, plan=self.plan) for optimizer in self.optimizers]
+        self.optimizers = [self.backend.optimizer(self.core.engine, optimizer, plan=self.plan) for optimizer in self.optimizers]
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """A fit's engine loaded the optimizer's state in load_checkpoint."""
 
 
-class _FitState:
-    """What one fit's setup hands to the later hooks besides the Decision (mutable, per fit)."""
-
-    def __init__(self) -> None:
-        self.facts: JobFacts | None = None  # what a checkpoint of this job records (elastic/compatibility.py)
-        self.data: TrainingData | None = None  # the user's training data, as the strategy re-batches it
-        self.universal: VerifiedCheckpoint | None = None  # the decided checkpoint listing its resharded form (rank 0 converted it)
-        self.engine: Any = None  # the runtime's engine of the last fit (kept for saving after evaluation)
-        self.handed_back = False  # the end of that fit handed the user's module back (the engine no longer runs it)
-        self.module_record: Any = None  # what the backend's hand_back restores at the end of fit
-        self.runtime_config: Any = None  # the runtime's configuration of the decided plan (Backend.config)
-        self.restorers: list[Any] = []  # how to undo this fit's module patches
-        self.training_precision: Any = None  # DeepSpeed's precision plugin while an evaluation uses a plain one
-        self.shares: ShareSchedule | None = None  # the replicas' shares by step (the sampler cuts by it, losses are weighted by it)
-        self.prefetched_steps = 2  # steps the data pipeline may have cut ahead of the one training (a share change starts later)
-        self.rebalanced: list[str] = []  # what each rebalance did, as reported
-        self.pending: tuple[int, Estimate] | None = None  # a share change decided, and the step it starts at
-        self.last_probe = time.perf_counter()  # when the ranks last probed their speed (the fit's start before that)
-        self.ranks_line: str | None = None  # why the measured ranks were judged alike or different (start-up report)
-
-
 # --- small helpers (module level: no strategy state) ------------------------------------------------
 
 
-REBALANCE_EVERY_N_STEPS = 100
-"""How often (in optimizer steps) the ranks probe their speed when ``rebalance_every_n_steps`` is left at None."""
-REBALANCE_OVERHEAD = 0.01
-"""The most of the time trained that automatic rebalancing's probes may take (each takes RANK_PROBE_S)."""
 def _check_trainer_flags(trainer) -> None:  # type: ignore[no-untyped-def]
     """Trainer flags that the plan or the step order replace."""
     if trainer.accumulate_grad_batches != 1:
@@ -1115,11 +788,6 @@ def _with_face(cls: type, runtime: Runtime) -> type:
     if key not in _FACED:
         _FACED[key] = type(plain.__name__, (plain, face), {"__module__": plain.__module__, "__qualname__": plain.__qualname__})
     return _FACED[key]
-
-
-def _check_is_directory(path: Path) -> None:
-    if not path.is_dir():
-        raise FleetError(f"checkpoint {path} is not a directory: strategy 'fleet' resumes a fit from a FleetCheckpoint step or a trainer.save_checkpoint dir")
 
 
 def _user_training_loader(trainer) -> Any:  # type: ignore[no-untyped-def]

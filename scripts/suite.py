@@ -39,6 +39,8 @@ SERIAL = ("serial", "serial")
 NO_TESTS = 5
 """pytest's exit status when a selection holds no test (a lane may be empty; the whole suite may not)."""
 PROGRESS_EVERY_S = 60.0
+SLOWEST = 25
+"""Each lane's log ends with its slowest tests (pytest --durations): where the suite's time goes."""
 
 
 def counts(junit: Path) -> tuple[int, int, int]:
@@ -72,7 +74,7 @@ class Lane:
         self.name, self.expression = name, expression
         self.log, self.junit = tmp / f"{name}.log", tmp / f"{name}.xml"
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", expression,
-               f"--basetemp={tmp / name}", f"--junitxml={self.junit}"]
+               f"--basetemp={tmp / name}", f"--junitxml={self.junit}", f"--durations={SLOWEST}"]
         self.started = time.monotonic()
         with open(self.log, "w") as out:
             self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)

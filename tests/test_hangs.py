@@ -164,7 +164,8 @@ def test_a_peer_hung_at_the_save_agreement_or_the_gradient_reduction_is_one_line
     """Rank 1 SIGSTOPped right before FleetCheckpoint's per-step all-reduce, or before its backward (rank 0 then waits in
     DeepSpeed's gradient reduction of ZeRO-2): rank 0 ends in peer_lost's one line naming that collective, within the
     timeout + REPORT_SLACK_S (before: a 41-118-line traceback of gloo's RuntimeError "Timed out waiting 8000ms")."""
-    proc = train(tmp_path, "--steps", "40", "--every", "100", "--sleep", "0.4", "--sleep-at", where, "--timeout", str(TIMEOUT_S))
+    proc = train(tmp_path, "--steps", "40", "--every", "100", "--sleep", "0.4", "--sleep-at", where, "--timeout", str(TIMEOUT_S),
+                 "--plan", "dp=2,zero=2,runtime=deepspeed")  # the line names the runtime reducing the gradient
     started = []
     try:
         wait_for_steps(tmp_path, 2)

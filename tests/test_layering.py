@@ -63,6 +63,13 @@ TORCH_ELSEWHERE: dict[str, str] = {
 }
 """Known exceptions to TORCH_HOME, each with its reason."""
 
+FIT_CORE = "lightning_fleet.fit"
+"""The neutral fit core: it imports no Lightning package and no runtime's package (it reaches a runtime through the
+runtime table and the Backend protocol, Lightning through the faces that call it), and only the strategy imports it."""
+LIGHTNING = frozenset({"lightning", "pytorch_lightning", "lightning_fabric"})
+"""Lightning's packages."""
+RUNTIME_PACKAGES = ("lightning_fleet.runtime.deepspeed", "lightning_fleet.runtime.torch", "deepspeed")
+"""The runtimes' own packages (the fit core names none)."""
 STRATEGY = "lightning_fleet.strategy"
 """The Lightning adapter: only the modules above it import it."""
 ABOVE_THE_STRATEGY = {
@@ -251,6 +258,14 @@ def test_only_the_modules_above_the_strategy_import_it() -> None:
         if not _within(name, STRATEGY) and name not in ABOVE_THE_STRATEGY and any(_within(i, STRATEGY) for i in edges)
     )
     assert not offenders, f"modules below the strategy import it: {offenders}"
+
+
+def test_the_fit_core_names_neither_lightning_nor_a_runtime_and_only_the_strategy_imports_it() -> None:
+    own = imported_by(modules()[FIT_CORE])
+    named = sorted(i for i in own if _top(i) in LIGHTNING or any(_within(i, p) for p in RUNTIME_PACKAGES))
+    assert not named, f"{FIT_CORE} imports {named}: hand it values (Ranks, Backend) instead"
+    importers = sorted(name for name, edges in graph().items() if name != FIT_CORE and any(_within(i, FIT_CORE) for i in edges))
+    assert importers == [STRATEGY], f"{FIT_CORE} is imported by {importers}"
 
 
 def test_every_known_exception_still_applies() -> None:

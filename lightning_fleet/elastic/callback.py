@@ -56,6 +56,7 @@ from lightning_fleet.elastic.worker import collectives, deterministic, note_stop
 from lightning_fleet.planning import FleetError
 from lightning_fleet.rng import RngState
 from lightning_fleet.runtime.base import ENGINE_CHECK, SHARDED_CHECK
+from lightning_fleet.runtime.common import local_part
 
 CHECKPOINT_BYTES_PER_PARAMETER = 16
 """Free space a first checkpoint needs per parameter of the module, where the directory holds none to measure:
@@ -640,16 +641,11 @@ def _local_gradients(module: torch.nn.Module) -> dict[torch.device, list[torch.T
     for parameter in module.parameters():
         grad = parameter.grad
         if grad is not None and grad.is_floating_point() and grad.numel():
-            grad = _shard_of(grad)
+            grad = local_part(grad)
             dense = grad.coalesce().values() if grad.is_sparse else grad
             if dense.numel():
                 found.setdefault(dense.device, []).append(dense)
     return found
-
-
-def _shard_of(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a DTensor (FSDP2, tensor parallelism), a plain tensor as it is: what a local check reads."""
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def _gradients_finite(grads: dict[torch.device, list[torch.Tensor]]) -> bool:
@@ -730,7 +726,7 @@ def _weights_finite(trainer: Any) -> bool:
     checks: dict[torch.device, list[torch.Tensor]] = {}
     with torch.no_grad():
         for tensor in _weights_tensors(trainer):
-            tensor = _shard_of(tensor)
+            tensor = local_part(tensor)
             if tensor.is_floating_point() and tensor.numel():
                 checks.setdefault(tensor.device, []).append(torch.isfinite(tensor).all())
         return all(bool(torch.stack(found).all()) for found in checks.values())  # one read per device

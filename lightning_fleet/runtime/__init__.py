@@ -7,14 +7,16 @@ Rooms:
     constraints and one-line refusals), :class:`~lightning_fleet.runtime.base.ModuleHooks` (what a user's module
     offers a runtime), :class:`~lightning_fleet.runtime.base.TensorParallelSpec`, ``ANY`` (the cost model's
     whole space), and the :class:`~lightning_fleet.runtime.base.Backend` protocol (how a runtime applies a
-    Decision: config, engine, step, save, load, reshard).
+    Decision: config, engine, step, save, load, reshard), called by the neutral fit core (:mod:`lightning_fleet.fit`)
+    with a ``FitView`` of the fit.
 ``deepspeed/``
     The only place that imports DeepSpeed (ZeRO 0-3, offload, AutoTP, its pipeline engine).
 ``torch/``
     torch's own stack (DistributedDataParallel, torch.distributed.checkpoint).
 
 A new runtime is a package beside these with its own ``Capabilities``, a class implementing ``Backend``, a reader of
-its checkpoints for ``fleet export``, a Lightning face in strategy.py, and one row below. This module imports only
+its checkpoints for ``fleet export``, the name of its Lightning face in strategy.py (an existing one where that
+Lightning class's precision plugins fit), and one row below. This module imports only
 pure modules (no torch, no deepspeed): the CLI and the planner read it offline; the table names the torch-side
 objects by import path, loaded on use.
 """

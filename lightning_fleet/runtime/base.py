@@ -447,8 +447,39 @@ class FullState:
     """What Lightning saved besides weights and optimizer states (loops, callbacks, schedulers, hyper-parameters)."""
 
 
+class FitView(Protocol):
+    """What a backend reads of the fit it serves (:class:`lightning_fleet.fit.FitCore` has each): handed in, so that a
+    backend never reaches into a Lightning strategy."""
+
+    engine: Any
+    """The runtime's engine of the fit (a backend that lets its engine go at hand-back sets it to the plain module)."""
+    module: Any
+    """The user's module."""
+
+    @property
+    def plan(self) -> Plan | None:
+        """The plan being trained (None before a fit decided one)."""
+        ...
+
+    @property
+    def device(self) -> Any:
+        """This rank's device."""
+        ...
+
+    @property
+    def global_rank(self) -> int:
+        """This rank."""
+        ...
+
+    @property
+    def world_size(self) -> int:
+        """Every process of the job."""
+        ...
+
+
 class Backend(Protocol):
-    """How a runtime applies a Decision; the Lightning faces (lightning_fleet/strategy.py) call only these.
+    """How a runtime applies a Decision; the neutral fit core (lightning_fleet/fit.py) and the Lightning faces call only
+    these.
 
     Implemented by :class:`lightning_fleet.runtime.deepspeed.backend.DeepSpeedBackend` and
     :class:`lightning_fleet.runtime.torch.backend.TorchBackend`, each named in the runtime table
@@ -548,11 +579,12 @@ class Backend(Protocol):
         """Host bytes one process needs for :meth:`hand_back` (checked against the free memory first)."""
         ...
 
-    def hand_back(self, strategy: Any, record: Any) -> None:
-        """End of fit (collective): the user's module, plain again, holding the trained weights on every rank."""
+    def hand_back(self, fit: FitView, record: Any) -> None:
+        """End of fit (collective): the user's module, plain again, holding the trained weights on every rank (a no-op
+        when it was handed back already); where the runtime lets its engine go, ``fit.engine`` becomes the module."""
         ...
 
-    def write_layout(self, strategy: Any, directory: str | Path, record: Any) -> None:
+    def write_layout(self, fit: FitView, directory: str | Path, record: Any) -> None:
         """After :meth:`save`: whatever lets the checkpoint be read back as full weights without the model's code."""
         ...
 

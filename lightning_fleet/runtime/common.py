@@ -1,8 +1,8 @@
 """What every runtime's torch side shares: full recomputation of a layer, the stand-in for Lightning's gradient zeroing
-between micro-batches, and an atomic ``torch.save``.
+between micro-batches, an atomic ``torch.save``, and a sharded tensor's local part.
 
-Imports torch; imported by the runtimes' backends (runtime/deepspeed/, runtime/torch/) and by
-:mod:`lightning_fleet.export`.
+Imports torch; imported by the runtimes' backends (runtime/deepspeed/, runtime/torch/), by :mod:`lightning_fleet.export`
+and by the non-finite check (:mod:`lightning_fleet.elastic.callback`).
 """
 
 from __future__ import annotations
@@ -42,3 +42,8 @@ def save_atomic(obj: Any, path: Path) -> None:
     finally:
         tmp.unlink(missing_ok=True)
     fsync_path(path.parent)
+
+
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (FSDP2, tensor parallelism; a view that writes through), any other tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor

@@ -203,10 +203,10 @@ def main() -> None:
         )
         trainer.fit(model, dm)
         masters, low = engine_masters(strategy, model) if precision else ({}, {})
-        live = full_state_dict(strategy, strategy.export_record)
+        live = full_state_dict(strategy.core, strategy.export_record)
         trainer.save_checkpoint(where / "before")
-        restore_module(strategy, strategy.export_record)
-        restore_module(strategy, strategy.export_record)  # a second call changes nothing
+        restore_module(strategy.core, strategy.export_record)
+        restore_module(strategy.core, strategy.export_record)  # a second call changes nothing
         report = module_report(model, strategy.export_record, hook_calls)
         trainer.save_checkpoint(where / "after")
         facts = {"plan": str(strategy.plan), "model": type(model).__name__, "global_step": trainer.global_step, "live": live}

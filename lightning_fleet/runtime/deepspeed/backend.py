@@ -1,10 +1,11 @@
 """DeepSpeedBackend: a Decision applied through DeepSpeed — config, engine, step, save, load, reshard, weights.
 
-The one implementation of :class:`lightning_fleet.runtime.base.Backend`. Every call into DeepSpeed that applying a
+DeepSpeed's implementation of :class:`lightning_fleet.runtime.base.Backend`. Every call into DeepSpeed that applying a
 plan needs goes through here (the rooms beside it: ``config.py`` Plan -> config dict, ``pipeline.py`` the pipeline
 module and schedule, ``universal.py`` resharding through DeepSpeed's universal checkpoint, ``weights.py`` full
 weights out of a live engine, ``reader.py`` out of checkpoint files). Imports torch and deepspeed (lazily, at call
-time, so importing it stays cheap); imported by the Lightning adapter (:mod:`lightning_fleet.strategy`).
+time, so importing it stays cheap); loaded through the runtime table (:data:`lightning_fleet.runtime.RUNTIMES`) and
+called by the fit core (:mod:`lightning_fleet.fit`) and the Lightning faces.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 from lightning_fleet.elastic.checkpoint import VerifiedCheckpoint
 from lightning_fleet.elastic.layout import TAG, state_dir, universal_dir
 from lightning_fleet.planning import FleetError, Plan, Precision, Recompute, parse_plan
-from lightning_fleet.runtime.base import ENGINE_CHECK, Capabilities, FullState, TensorParallelSpec
+from lightning_fleet.runtime.base import ENGINE_CHECK, Capabilities, FitView, FullState, TensorParallelSpec
 from lightning_fleet.runtime.common import checkpointed_forward, engine_zeroes_gradients
 from lightning_fleet.runtime.deepspeed.capabilities import DEEPSPEED
 from lightning_fleet.runtime.deepspeed.checked_engine import checked_loads
@@ -207,14 +208,15 @@ class DeepSpeedBackend:
         """Host bytes one process needs to hand the module back: every tensor gathered whole, in fp32."""
         return sum(4 * math.prod(t.shape) for t in record.tensors if t.alias_of is None)
 
-    def hand_back(self, strategy: Any, record: ModuleRecord) -> None:
-        """End of fit (collective): the strategy's module becomes a plain module again, with the trained weights."""
-        restore_module(strategy, record)
+    def hand_back(self, fit: FitView, record: ModuleRecord) -> None:
+        """End of fit (collective): the fit's module becomes a plain module again, with the trained weights (the engine
+        stays, for saving)."""
+        restore_module(fit, record)
 
-    def write_layout(self, strategy: Any, directory: str | Path, record: ModuleRecord | None) -> None:
+    def write_layout(self, fit: FitView, directory: str | Path, record: ModuleRecord | None) -> None:
         """After :meth:`save` (every rank; rank 0 writes): the layout file that lets the reader rebuild full weights
         from this plan's shards without the model's code."""
-        write_layout(strategy, directory, record)
+        write_layout(fit, directory, record)
 
     def state_of(self, step: Path) -> Path:
         """Where a FleetCheckpoint step keeps this runtime's checkpoint."""

@@ -18,7 +18,7 @@ The record (:func:`record_module`) lives here rather than with the runtime-neutr
 exists to undo what DeepSpeed does to the module (its hooks, attributes and ZeRO-3 shapes) and only this module
 consumes it; the facade stays offline-only and imports nothing live.
 
-Imports deepspeed only inside its functions (they run beside an engine). Imported by the strategy, by
+Imports deepspeed only inside its functions (they run beside an engine). Imported by the DeepSpeed backend, by
 :mod:`lightning_fleet.runtime.deepspeed.reader` (:class:`TensorInfo`, :func:`as_export`, :func:`unflat`) and by
 :mod:`lightning_fleet.export` (:data:`LAYOUT_FORMAT`).
 """
@@ -183,8 +183,8 @@ def as_export(tensor: torch.Tensor) -> torch.Tensor:
 # --- live: gather the full weights from a running strategy -----------------------------------------
 
 
-def full_state_dict(strategy: Any, record: ModuleRecord | None = None) -> dict[str, torch.Tensor]:
-    """The full weights of the strategy's module on every rank, keyed like the original ``state_dict()`` (collective).
+def full_state_dict(fit: Any, record: ModuleRecord | None = None) -> dict[str, torch.Tensor]:
+    """The full weights of the fit's module (``fit``: a :class:`~lightning_fleet.runtime.base.FitView`) on every rank, keyed like the original ``state_dict()`` (collective).
 
     Trainable parameters come from DeepSpeed's fp32 master copies when it keeps them (ZeRO 1-3, its bf16 optimizer,
     and at ZeRO-0 under fp16/bf16 mixed precision its FP16 optimizer wrappers), else from the parameters themselves
@@ -192,24 +192,24 @@ def full_state_dict(strategy: Any, record: ModuleRecord | None = None) -> dict[s
     along their split dimension; each pipeline stage broadcasts its layers. Floating tensors are fp32, everything is
     on the CPU.
     """
-    engine = _engine_of(strategy)
-    module = strategy.lightning_module
+    engine = _engine_of(fit)
+    module = fit.module
     if engine is None or getattr(engine, _RESTORED, False):  # a plain module that holds the full weights
         return {k: as_export(v) for k, v in module.state_dict().items()}
     infos = record.tensors if record is not None else _live_infos(module, engine)
     masters = {id(param): master for group in _wrapper_masters(getattr(engine, "optimizer", None)) for param, master in group}
-    device = strategy.root_device
+    device = fit.device
     if _is_pipeline(engine):
         return _pipeline_state(engine, module, infos, device, masters)
     return _replica_state(engine.module, infos, device, masters)
 
 
-def _engine_of(strategy: Any) -> Any:
-    """The strategy's DeepSpeed engine, or None when it runs none (before a fit, or during a plain evaluation)."""
+def _engine_of(fit: Any) -> Any:
+    """The fit's DeepSpeed engine, or None when it has none (before a fit, or one of another runtime)."""
     from deepspeed import DeepSpeedEngine
 
-    model = getattr(strategy, "model", None)
-    return model if isinstance(model, DeepSpeedEngine) else None
+    engine = getattr(fit, "engine", None)
+    return engine if isinstance(engine, DeepSpeedEngine) else None
 
 
 def _is_pipeline(engine: Any) -> bool:
@@ -467,8 +467,8 @@ def _is_floating(dtype: str) -> bool:
 # --- live: hand the user's module back -------------------------------------------------------------
 
 
-def restore_module(strategy: Any, record: ModuleRecord) -> None:
-    """End of fit (collective): the strategy's LightningModule becomes a plain module again, with the trained weights.
+def restore_module(fit: Any, record: ModuleRecord) -> None:
+    """End of fit (collective): the fit's LightningModule (``fit``: a :class:`~lightning_fleet.runtime.base.FitView`) becomes a plain module again, with the trained weights.
 
     AutoTP's layers are replaced by the original ones, every parameter becomes an ordinary full tensor on the CPU in its
     original dtype (fresh objects: DeepSpeed's partitioned ones stay with the engine), buffers are whole,
@@ -476,10 +476,10 @@ def restore_module(strategy: Any, record: ModuleRecord) -> None:
     weights (pipeline stages included). The engine goes on training nothing but keeps a mirror of the tree it
     trained, so saving a checkpoint afterwards writes what it would have written before. Calling it again is a no-op.
     """
-    engine = _engine_of(strategy)
+    engine = _engine_of(fit)
     if engine is None or getattr(engine, _RESTORED, False):
         return
-    full = full_state_dict(strategy, record)
+    full = full_state_dict(fit, record)
     _hand_engine_its_mirror(engine)
     # on the CPU, where Lightning's teardown puts a trained module anyway: a model that needed its parameters
     # partitioned to train would not fit on one accelerator whole
@@ -571,27 +571,28 @@ def _keep_only(hooks: dict, recorded: dict) -> None:
 # --- the layout, written next to DeepSpeed's files on every save -------------------------------------
 
 
-def write_layout(strategy: Any, directory: str | Path, record: ModuleRecord | None) -> Path | None:
+def write_layout(fit: Any, directory: str | Path, record: ModuleRecord | None) -> Path | None:
     """Write ``fleet_layout.json`` (and, under pipeline parallelism, ``fleet_unstaged.pt``) into a DeepSpeed
     checkpoint directory, after the engine saved. Every rank calls it (a collective where ZeRO-0 keeps fp32 masters in
     DeepSpeed's fp16/bf16 optimizer wrapper: each model-parallel rank says which parameters its groups hold); rank 0
-    writes. Returns the layout's path on rank 0; None elsewhere or when the strategy has no plan (nothing trained)."""
-    plan = getattr(strategy, "plan", None)
+    writes (``fit``: a :class:`~lightning_fleet.runtime.base.FitView`). Returns the layout's path on rank 0; None
+    elsewhere or when the fit has no plan (nothing trained)."""
+    plan = getattr(fit, "plan", None)
     if plan is None:
         return None
     directory = Path(directory)
-    module, engine = strategy.lightning_module, _engine_of(strategy)
+    module, engine = fit.module, _engine_of(fit)
     if engine is None:
         return None
     wrapper_groups = _wrapper_groups(engine)
-    if int(strategy.global_rank) != 0:
+    if int(fit.global_rank) != 0:
         return None
     restored = getattr(engine, _RESTORED, False)
     infos = record.tensors if record is not None else _live_infos(module, engine)
     layout: dict[str, Any] = {
         "format": LAYOUT_FORMAT,
         "plan": str(plan),
-        "world_size": int(strategy.world_size),
+        "world_size": int(fit.world_size),
         "dp": plan.dp,
         "tp": plan.tp,
         "pp": plan.pp,

@@ -28,7 +28,7 @@ from lightning_fleet.elastic.layout import DCP_DIR, EXPORT_LAYOUT, IMPORTED, der
 from lightning_fleet.elastic.safe_load import load_file
 from lightning_fleet.planning import FleetError, Plan, Precision
 from lightning_fleet.runtime import runtime_named
-from lightning_fleet.runtime.base import REPLICATED_CHECK, SHARDED_CHECK, Capabilities, FullState, TensorParallelSpec
+from lightning_fleet.runtime.base import REPLICATED_CHECK, SHARDED_CHECK, Capabilities, FitView, FullState, TensorParallelSpec
 from lightning_fleet.runtime.common import checkpointed_forward, engine_zeroes_gradients, save_atomic
 from lightning_fleet.runtime.torch.capabilities import TORCH
 
@@ -255,8 +255,8 @@ class TorchBackend:
             tensors.update((id(t), t) for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor))
         return sum(t.element_size() * t.numel() for t in tensors.values())
 
-    def hand_back(self, strategy: Any, record: nn.Module) -> None:
-        """End of fit (collective under FSDP): the strategy holds the plain module again, with the trained weights
+    def hand_back(self, fit: FitView, record: nn.Module) -> None:
+        """End of fit (collective under FSDP): the fit holds the plain module again, with the trained weights
         whole on every rank (FSDP, tensor parallelism: gathered, their hooks and classes removed, the optimizers over the
         plain parameters, :func:`lightning_fleet.runtime.torch.engine.release`), and the engine is let go while the process group lives: a
         DDP wrapper alive at interpreter exit keeps its reducer's gloo group until the teardown, whose destruction there
@@ -264,22 +264,20 @@ class TorchBackend:
         pytorch/pytorch#65231). Later saves need only the module and its optimizers."""
         from lightning_fleet.runtime.torch.engine import ParallelEngine, release
 
-        engine = strategy._fit.engine
+        engine = fit.engine
         for sharded in self._sharded:  # every replica holds every state again, the optimizer its own step
             sharded.gather_states()
             sharded.remove()
         self._sharded = []
         if isinstance(engine, ParallelEngine):
             release(engine, self._optimizers)
-        strategy.model = record
-        strategy._fit.engine = record
+        fit.engine = record
 
-    def write_layout(self, strategy: Any, directory: str | Path, record: Any) -> None:
+    def write_layout(self, fit: FitView, directory: str | Path, record: Any) -> None:
         """Rank 0: the layout file ``fleet export`` reads (the plan, the world, the format, the module's keys in order)."""
-        if int(strategy.global_rank) != 0:
+        if fit.global_rank != 0:
             return
-        plan = strategy.plan
-        layout = {"format": LAYOUT_FORMAT, "plan": str(plan), "world_size": int(strategy.world_size), "dcp": DCP_DIR,
+        layout = {"format": LAYOUT_FORMAT, "plan": str(fit.plan), "world_size": fit.world_size, "dcp": DCP_DIR,
                   "client": CLIENT_FILE, "keys": self._keys}
         write_atomic(Path(directory) / EXPORT_LAYOUT, json.dumps(layout, indent=1))
 

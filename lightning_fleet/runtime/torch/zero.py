@@ -23,6 +23,8 @@ from typing import Any, Callable
 
 import torch
 
+from lightning_fleet.runtime.common import local_part
+
 
 def partition(optimizer: torch.optim.Optimizer, world: int) -> dict[int, int]:
     """id(parameter) -> the rank that owns its optimizer state: each parameter group's parameters, largest first, to
@@ -100,7 +102,7 @@ class ShardedStep:
             owned = [p for p in self.params if self.owner[id(p)] == src]
             for dtype in dict.fromkeys(p.dtype for p in owned):
                 same = [p for p in owned if p.dtype is dtype]
-                local = [_local(p.detach()) for p in same]
+                local = [local_part(p.detach()) for p in same]
                 flat = torch.cat([t.reshape(-1) for t in local])
                 dist.broadcast(flat, src=self._global(src), group=self.group)
                 if src != self.rank:
@@ -133,7 +135,7 @@ class ShardedStep:
         for src in range(self.world):
             owned = None
             if src == self.rank:
-                owned = {index: {k: _local(v) if isinstance(v, torch.Tensor) else v for k, v in self.optimizer.state[p].items()}
+                owned = {index: {k: local_part(v) if isinstance(v, torch.Tensor) else v for k, v in self.optimizer.state[p].items()}
                          for index, p in enumerate(self.params) if self.owner[id(p)] == src and p in self.optimizer.state}
             box = [owned]
             dist.broadcast_object_list(box, src=self._global(src), group=self.group)
@@ -147,13 +149,6 @@ class ShardedStep:
         import torch.distributed as dist
 
         return rank if self.group is None else dist.get_global_rank(self.group, rank)
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (a view that writes through), any other tensor itself."""
-    from torch.distributed.tensor import DTensor
-
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _like(value: Any, param: torch.Tensor) -> Any:
