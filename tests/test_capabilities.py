@@ -8,13 +8,14 @@ process; everything else imports neither torch nor deepspeed.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 
 import pytest
 
 from lightning_fleet.cli import main
-from lightning_fleet.planning import Constraints, FleetError, Overlaps, Plan, Recompute, parse_partial_plan
+from lightning_fleet.planning import Constraints, FleetError, Offload, Overlaps, Plan, Recompute, parse_partial_plan
 from lightning_fleet.runtime import RUNTIME_NAMES, RUNTIMES, capabilities_of, runtime_named, runtime_of_format
 from lightning_fleet.runtime.torch.capabilities import TORCH
 from lightning_fleet.runtime.base import ANY, ModuleHooks
@@ -213,7 +214,7 @@ def test_torch_runs_shard_levels_0_to_3_and_tp_and_says_what_to_use_for_the_rest
     for plan, why in (
         ("dp=4,zero=1,dp_shard=2", "torch runs hybrid sharding at zero 2 or 3 only; use one of them or leave dp_shard out"),
         ("pp=2", "torch runs no pipelines; use pp=1"),
-        ("zero=2,offload=optimizer", "torch runs no offload; use offload=none"),
+        ("zero=2,offload=optimizer", "torch runs offload=optimizer+params only; use it or offload=none"),
         ("pp=2,vpp=2", "torch runs no pipelines; use pp=1"),
         ("zero=0,offload=optimizer", None),  # offload needs zero >= 1: the plan itself refuses it
     ):
@@ -222,11 +223,17 @@ def test_torch_runs_shard_levels_0_to_3_and_tp_and_says_what_to_use_for_the_rest
                 parse_partial_plan(plan)
             continue
         assert TORCH.refusal(parse_partial_plan(plan), module) == f"plan {parse_partial_plan(plan)}: {why}"
-    for runs in ("zero=0,dp=2", "zero=1", "zero=3", "zero=2,tp=2", "dp=2,tp=2,zero=0", "dp=2,tp=2,zero=1", "dp=4,zero=2,dp_shard=2"):
+    for runs in ("zero=0,dp=2", "zero=1", "zero=3", "zero=2,tp=2", "dp=2,tp=2,zero=0", "dp=2,tp=2,zero=1", "dp=4,zero=2,dp_shard=2",
+                 "zero=3,offload=optimizer+params"):
         assert TORCH.refusal(parse_partial_plan(runs), module) is None, runs
     constraints = TORCH.constraints(module, max_tp=8, max_pp=8)
-    assert (constraints.zero_stages, constraints.max_tp, constraints.max_pp, constraints.allow_offload) == ((0, 1, 2, 3), 8, 1, False)
-    assert TORCH.job_refusal(require_offload=True, zero_stages=(0, 1, 2, 3)) == "torch runs no offload, and FleetStrategy(require_offload=True)"
+    assert (constraints.zero_stages, constraints.max_tp, constraints.max_pp, constraints.allow_offload) == ((0, 1, 2, 3), 8, 1, True)
+    assert constraints.offloads == (Offload.NONE, Offload.OPTIMIZER_PARAMS)  # FSDP2 has no optimizer-only offload
+    assert DEEPSPEED.constraints(module).offloads is None  # every offload
+    assert TORCH.job_refusal(require_offload=True, zero_stages=(0, 1, 2, 3)) is None
+    no_offload = dataclasses.replace(TORCH, offloads=())
+    assert no_offload.job_refusal(require_offload=True, zero_stages=(3,)) == "torch runs no offload, and FleetStrategy(require_offload=True)"
+    assert no_offload.refusal(parse_partial_plan("zero=3,offload=optimizer+params"), module).endswith("torch runs no offload; use offload=none")
     assert TORCH.job_refusal(require_offload=False, zero_stages=(1,)) is None
     assert DEEPSPEED.job_refusal(require_offload=True, zero_stages=(3,)) is None
 

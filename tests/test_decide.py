@@ -213,12 +213,14 @@ def test_the_fastest_executable_runtime_trains_and_the_report_says_by_how_much()
 def test_a_plan_only_one_runtime_runs_goes_to_it_and_one_no_runtime_runs_names_each_refusal():
     decision = run_both(facts(), plan="zero=1,offload=optimizer")
     assert decision.runtime == "deepspeed" and decision.plan.zero == 1
-    assert "torch: plan zero=1,offload=optimizer: torch runs no offload" in next(line for line in decision.report if "runtime  " in line)
+    assert "torch: plan zero=1,offload=optimizer: torch runs offload=optimizer+params only" in next(
+        line for line in decision.report if "runtime  " in line)
     for zero in range(4):
         assert run_both(facts(), plan=f"zero={zero},runtime=torch").runtime == "torch"
     with pytest.raises(FleetError) as err:
         run_both(facts(), plan="zero=1,offload=optimizer,runtime=torch")
-    assert str(err.value) == "plan zero=1,offload=optimizer: torch runs no offload; use offload=none"
+    assert str(err.value) == "plan zero=1,offload=optimizer: torch runs offload=optimizer+params only; use it or offload=none"
+    assert run_both(facts(), plan="zero=3,offload=optimizer+params,runtime=torch").plan.offload.value == "optimizer+params"
     with pytest.raises(FleetError) as err:  # torch runs no pipeline at all: DeepSpeed would
         run_both(facts(), plan="pp=2,runtime=torch")
     assert str(err.value) == "plan pp=2: torch runs no pipelines; use pp=1"

@@ -72,5 +72,6 @@ def test_pytorch_lightning_copy_is_served_from_the_same_sources():
     source = mirrored["lightning_fleet.strategy"].read_text()
     rewritten = pl.rewrite(source)
     assert "lightning.pytorch" not in rewritten and "from pytorch_lightning.strategies import" in rewritten
-    assert "from lightning_fleet.pl.elastic.callback import NON_FINITE_POLICIES, FleetCheckpoint" in rewritten
+    assert "from lightning_fleet.pl.elastic.callback import FleetCheckpoint, NonFiniteGuard" in rewritten
+    assert "from lightning_fleet.pl.fit import FitCore" in rewritten  # the fit core profiles LightningModules: copied too
     assert "from lightning_fleet.planning import" in rewritten

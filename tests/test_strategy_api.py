@@ -234,7 +234,7 @@ def test_bad_micro_batch_size(bad):
 def test_bad_rebalance_interval(bad):
     with pytest.raises(FleetError, match=r"rebalance_every_n_steps=.*must be a non-negative integer \(0: never\) or None"):
         lightning_fleet.FleetStrategy(rebalance_every_n_steps=bad)
-    assert lightning_fleet.FleetStrategy(rebalance_every_n_steps=0).rebalance_every_n_steps == 0
+    assert lightning_fleet.FleetStrategy(rebalance_every_n_steps=0).settings.rebalance_every_n_steps == 0
 
 
 @pytest.mark.unit

@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 
 ANY_ZERO_STAGES = (0, 1, 2, 3)
 """Every shard level a plan can name (Plan.zero)."""
+HOST_OFFLOADS = (Offload.OPTIMIZER, Offload.OPTIMIZER_PARAMS)
+"""Every host offload a plan can name (``Plan.offload`` besides none)."""
 
 
 REPLICATED_CHECK, SHARDED_CHECK, ENGINE_CHECK = "replicated", "sharded", "engine"
@@ -133,8 +135,8 @@ class Capabilities:
     """Runs tensor parallelism (tp > 1) at all (what it needs of the module: :attr:`tp_needs_hook`)."""
     pipeline: bool = True
     """Runs pipeline parallelism (pp > 1) at all (what it needs of the module: :attr:`pp_needs_hook`)."""
-    offload: bool = True
-    """Runs host offload of optimizer states and parameters."""
+    offloads: tuple[Offload, ...] = (Offload.OPTIMIZER, Offload.OPTIMIZER_PARAMS)
+    """The host offloads it runs (``Plan.offload`` besides none); empty: none."""
     sequence_parallel: bool
     """Runs Megatron-style sequence parallelism (sp=true)."""
     interleaved_pipeline: bool
@@ -211,8 +213,9 @@ class Capabilities:
             search_placement=self.any_placement,
             tp_with_pp=self.tp_with_pp,
             offload_with_pp=self.offload_with_pp,
-            allow_offload=allow_offload and self.offload,
+            allow_offload=allow_offload and bool(self.offloads),
             require_offload=require_offload,
+            offloads=None if set(self.offloads) >= set(HOST_OFFLOADS) else (Offload.NONE, *self.offloads),
             recompute=self._recompute_modes(hooks),
             max_tp=(max_tp or None) if self._runs_tp(hooks) else 1,
             tp_divides=hooks.tp_divides if self._runs_tp(hooks) else None,
@@ -248,7 +251,7 @@ class Capabilities:
         one line; None when it can. The job's own limits (zero_stages, allow_offload, max_tp, ...) are not judged here."""
         tp, pp, zero = plan.tp or 1, plan.pp or 1, plan.zero or 0
         offloads = plan.offload not in (None, Offload.NONE)
-        missing = self._missing_axis(tp=tp, pp=pp, zero=zero, offloads=offloads)
+        missing = self._missing_axis(tp=tp, pp=pp, zero=zero, offload=plan.offload)
         if missing:
             return f"plan {plan}: {self.label} runs {missing}"
         if hooks.sparse_params and zero not in self.sparse_grad_zero_stages:
@@ -318,7 +321,7 @@ class Capabilities:
     def job_refusal(self, *, require_offload: bool, zero_stages: tuple[int, ...]) -> str | None:
         """Why this runtime can run no plan the job's options allow (it offloads nothing but offload is required, or it
         runs none of the allowed shard levels), in one line; None when some plan may be possible."""
-        if require_offload and not self.offload:
+        if require_offload and not self.offloads:
             return f"{self.label} runs no offload, and FleetStrategy(require_offload=True)"
         if not set(zero_stages) & set(self.zero_stages):
             return f"{self.label} runs zero {_either(self.zero_stages)}, and FleetStrategy(zero_stages={tuple(zero_stages)})"
@@ -327,10 +330,9 @@ class Capabilities:
     def runs_axes(self, plan: Plan | PartialPlan) -> bool:
         """Whether this runtime runs every axis ``plan`` (its fixed axes, for a partial one) uses at all, whatever the
         module (a refusal then comes from the module or the combination, not from a missing axis)."""
-        offloads = plan.offload not in (None, Offload.NONE)
-        return not self._missing_axis(tp=plan.tp or 1, pp=plan.pp or 1, zero=plan.zero or 0, offloads=offloads)
+        return not self._missing_axis(tp=plan.tp or 1, pp=plan.pp or 1, zero=plan.zero or 0, offload=plan.offload)
 
-    def _missing_axis(self, *, tp: int, pp: int, zero: int, offloads: bool) -> str:
+    def _missing_axis(self, *, tp: int, pp: int, zero: int, offload: Offload | None) -> str:
         """'no tensor parallelism; use tp=1' for the first axis of a plan this runtime does not run at all, else ''."""
         if zero not in self.zero_stages:
             return f"zero {_either(self.zero_stages)} only; use one of them"
@@ -338,8 +340,10 @@ class Capabilities:
             return "no tensor parallelism; use tp=1"
         if pp > 1 and not self.pipeline:
             return "no pipelines; use pp=1"
-        if offloads and not self.offload:
-            return "no offload; use offload=none"
+        if offload not in (None, Offload.NONE) and offload not in self.offloads:
+            if not self.offloads:
+                return "no offload; use offload=none"
+            return f"offload={_either(self.offloads)} only; use it or offload=none"
         return ""
 
     def _sparse_refusal(self, hooks: ModuleHooks, zero: int) -> str:

@@ -7,6 +7,7 @@ it comes from (torch 2.13's sources under torch/, or what runtime/torch/backend.
 
 from __future__ import annotations
 
+from lightning_fleet.planning import Offload
 from lightning_fleet.planning.overlap import Overlaps
 from lightning_fleet.runtime.base import Capabilities
 
@@ -63,8 +64,11 @@ TORCH = Capabilities(
     uneven_dp_with_pp=False,
     max_zero_with_pp=0,
     tp_with_pp=False,
-    # FSDP2's CPUOffloadPolicy (shard levels 2-3) is not wired yet: offload plans run on DeepSpeed
-    offload=False,
+    # FSDP2's CPUOffloadPolicy keeps a module's sharded parameters, their gradients and the optimizer states in host
+    # memory and steps the optimizer there (torch/distributed/fsdp/_fully_shard/_fsdp_api.py): ZeRO-Infinity's
+    # optimizer+params at shard level 3 (a plan rule); it has no optimizer-only mode (ZeRO-Offload), which stays
+    # DeepSpeed's
+    offloads=(Offload.OPTIMIZER_PARAMS,),
     offload_with_pp=False,
     # one flat data-parallel group: nothing to place
     any_placement=False,

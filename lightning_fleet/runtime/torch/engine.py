@@ -36,8 +36,9 @@ from typing import Any, Iterable, Iterator, Sequence
 import torch
 from torch import nn
 
-from lightning_fleet.planning import FleetError, Plan
+from lightning_fleet.planning import FleetError, Offload, Plan
 from lightning_fleet.runtime.base import TensorParallelSpec
+from lightning_fleet.runtime.common import local_part
 
 BUCKET_BYTES = 25 * 2**20
 """Gradient bytes per all-reduce of :class:`_DataParallelReduction` (DDP's default ``bucket_cap_mb`` is 25)."""
@@ -97,11 +98,23 @@ def apply(module: nn.Module, layers: Sequence[nn.Module] | None, *, plan: Plan, 
 
         targets = [*(layers or ()), module]
         classes = {target: type(target) for target in targets}
+        offload = _offload_policy(plan, device_type)
         for target in targets:
-            fully_shard(target, mesh=dp_mesh, reshard_after_forward=plan.zero >= 3)
+            fully_shard(target, mesh=dp_mesh, reshard_after_forward=plan.zero >= 3, offload_policy=offload)
     elif plan.dp > 1:
         reduction = _DataParallelReduction(module, dp_mesh.get_group(), plan.dp)
     return ParallelEngine(module, classes, hooks, reduction, dp_mesh.get_group() if plan.dp_shard is None else None)
+
+
+def _offload_policy(plan: Plan, device_type: str) -> Any:
+    """FSDP2's offload of ``plan``: under ``offload=optimizer+params`` every sharded parameter, its gradient and its
+    optimizer state in host memory, the optimizer stepping there (``CPUOffloadPolicy``; pinned pages where the device
+    copies from them, a CUDA device); else none."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    if plan.offload is Offload.OPTIMIZER_PARAMS:
+        return CPUOffloadPolicy(pin_memory=device_type == "cuda")
+    return OffloadPolicy()
 
 
 def _split(module: nn.Module, patterns: TensorParallelSpec | None, tp_mesh: Any, *, sequence: bool = False) -> None:
@@ -213,7 +226,7 @@ class _DataParallelReduction:
         if not self._finishing:
             self._finishing = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
-        grad = _local(param.grad)
+        grad = local_part(param.grad)
         if grad.is_sparse:
             raise FleetError("a sparse gradient (nn.Embedding(sparse=True)) with tp > 1 and dp > 1 at zero=0 on the torch "
                              "runtime: build the embedding with sparse=False, or use tp=1 or runtime='deepspeed'")
@@ -304,7 +317,7 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_ty
     norms = []
     for grads in groups.values():
         norm = torch.nn.utils.get_total_norm(grads, norm_type)
-        norms.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).float().cpu())
+        norms.append((_on_mesh_device(norm).full_tensor() if isinstance(norm, DTensor) else norm).float().cpu())
     if not norms:
         return torch.zeros(())
     total = torch.nn.utils.get_total_norm(norms, norm_type)
@@ -335,11 +348,11 @@ def _whole(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor gathered whole (collective), a plain tensor as it is."""
     from torch.distributed.tensor import DTensor
 
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    return _on_mesh_device(tensor).full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a DTensor (a plain tensor as it is)."""
-    from torch.distributed.tensor import DTensor
-
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+def _on_mesh_device(tensor: Any) -> Any:
+    """A DTensor whose local part sits where its mesh's collectives run: an offloaded shard (host memory, under
+    ``CPUOffloadPolicy``) copied to the mesh's device first (NCCL reduces no host tensors), any other as it is."""
+    device_type = tensor.device_mesh.device_type
+    return tensor if tensor.device.type == device_type else tensor.to(device_type)
