@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from lightning_fleet.calibrate.measure import across_ranks
 from lightning_fleet.planning import ClusterSpec, RuntimeOverheads
-from lightning_fleet.runtime.base import Capabilities
+from lightning_fleet.runtime.base import HOST_OFFLOADS, Capabilities
 
 PROBE_LAYERS = 16
 """Linear layers of the framework probe (width 16: its compute is negligible)."""
@@ -178,7 +178,7 @@ def _probe_overheads(cluster: ClusterSpec, runtime: Capabilities, *, steps: int,
         micro.append(per_micro)
         step.append(max(one - per_micro, 0.0))
     offloads = None
-    if runtime.offload and {2, 3} <= set(runtime.zero_stages):
+    if set(HOST_OFFLOADS) <= set(runtime.offloads) and {2, 3} <= set(runtime.zero_stages):
         # the extra unpriced time of the probe (host copies and bookkeeping per parameter tensor), per micro-batch,
         # against the same stage without offload
         offloaded = (excess(2, accumulation, "optimizer") - many[2]) / accumulation
