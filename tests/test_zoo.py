@@ -1,6 +1,7 @@
 """Tier 3: the module zoo (tests/zoo.py: modules and data as users write them) trained on 2 gloo processes under
-strategy "fleet" on the torch runtime (DistributedDataParallel; the planner chooses the rest of the plan), and with a
-forced shard level 3 on each runtime (FSDP2, DeepSpeed's ZeRO-3), each held against plain single-process Lightning.
+strategy "fleet" on the torch runtime (the planner chooses the plan), on the torch runtime at a forced shard level (1, 2,
+3, 3 with offload, in turn over the modules: :data:`PLANS`) and on DeepSpeed's ZeRO-3, each held against plain
+single-process Lightning.
 
 The reference is ``Trainer(devices=1)`` without lightning_fleet's strategy, fed the same global batches in the same
 order (the documented order of the training data: lightning_fleet.data) as micro-batches with
@@ -30,9 +31,19 @@ WORKER = ROOT / "tests" / "workers" / "zoo_worker.py"
 STEPS, WORLD = 4, 2
 GLOBAL_BATCH = BATCH_SIZE * WORLD
 NAMES = sorted(CASES)
-PLANS = {"torch": "runtime=torch", "torch-zero3": "zero=3,runtime=torch", "deepspeed-zero3": "zero=3,runtime=deepspeed"}
-"""Setting -> plan: the torch runtime at the shard level the planner picks, FSDP2 at shard level 3, DeepSpeed's
-ZeRO-3."""
+TORCH_LEVELS = ("zero=1,runtime=torch", "zero=2,runtime=torch", "zero=3,runtime=torch",
+                "zero=3,offload=optimizer+params,runtime=torch")
+PLANS = {"torch": ("runtime=torch",), "torch-levels": TORCH_LEVELS, "deepspeed-zero3": ("zero=3,runtime=deepspeed",)}
+"""Setting -> plans, the i-th case (in NAMES' order) trained under the (i mod n)-th: the torch runtime at the shard level
+the planner picks (DDP or FSDP2 at 2); the torch runtime's forced levels in turn (ZeroRedundancyOptimizer's partition,
+FSDP2 at 2 and 3, FSDP2 offloading to host memory: every level by 5 or 6 modules, each module by one, so the zoo costs
+one launch per setting); DeepSpeed's ZeRO-3."""
+
+
+def plan_of(setting: str, name: str) -> str:
+    """The plan ``name`` trains under in ``setting``."""
+    plans = PLANS[setting]
+    return plans[NAMES.index(name) % len(plans)]
 
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.usefixtures("restore_environment")]  # in-process Trainers change os.environ
@@ -90,7 +101,7 @@ def references() -> dict[str, dict]:
 def trained(request, tmp_path_factory) -> tuple[str, dict[str, dict]]:
     """Every case trained on 2 processes under one plan setting, in one job."""
     tmp = tmp_path_factory.mktemp(f"zoo-{request.param}")
-    results, log = run_worker(tmp, "--cases", ",".join(NAMES), "--plan", PLANS[request.param], "--steps", str(STEPS),
+    results, log = run_worker(tmp, "--cases", ",".join(NAMES), "--plan", ";".join(PLANS[request.param]), "--steps", str(STEPS),
                               worker=WORKER, timeout=1200)
     return request.param, {r["case"]: r for r in results}
 
@@ -109,10 +120,11 @@ def test_case_trains_like_one_process(name, trained, references):
     setting, results = trained
     case, result, ref = CASES[name], trained[1][name], references[name]
     assert result["global_step"] == STEPS
-    runtime, _, zero = setting.partition("-zero")
     # a forced level is trained as forced; the plain setting trains the level the planner picks (DDP or FSDP2 zero=2 are
     # priced within the measured cluster's noise of each other here, so either may win)
-    assert result["runtime"] == runtime and (not zero or f",zero={zero}," in result["plan"]), result["plan"]
+    forced = dict(item.split("=") for item in plan_of(setting, name).split(","))
+    assert result["runtime"] == forced["runtime"], result["plan"]
+    assert all(f",{key}={value}," in result["plan"] for key, value in forced.items() if key != "runtime"), result["plan"]
     if case.batch_dependent:  # the strategy keeps the DataLoader's batch size as the micro-batch for such losses
         assert result["batch_dependent"] and f",mbs={BATCH_SIZE}," in result["plan"], result["plan"]
     atol = tolerance(case)

@@ -49,14 +49,16 @@ def run_case(case: Case, plan: str | None, cluster: str | None, steps: int, runt
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cases", required=True, help="comma-separated zoo case names")
-    parser.add_argument("--plan", default="auto", help="'auto' or a (partial) plan string")
+    parser.add_argument("--plan", default="auto", help="'auto' or (partial) plan strings separated by ';', the i-th case "
+                                                        "trained under the (i mod n)-th")
     parser.add_argument("--cluster", default=None, help="cluster preset or YAML (default: measure this machine)")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--runtime", default="auto", help="FleetStrategy(runtime=...)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    plan = None if args.plan == "auto" else args.plan
-    results = [run_case(CASES[name], plan, args.cluster, args.steps, args.runtime) for name in args.cases.split(",")]
+    plans = [None if plan == "auto" else plan for plan in args.plan.split(";")]
+    results = [run_case(CASES[name], plans[i % len(plans)], args.cluster, args.steps, args.runtime)
+               for i, name in enumerate(args.cases.split(","))]
     if int(torch.distributed.get_rank()) == 0:
         torch.save(results, args.out)
 
