@@ -54,20 +54,21 @@ def reference():
 
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
-    """All plans, 6 steps each, in one 2-process job launched by Lightning."""
+    """All plans, 6 steps each, in one 2-process job launched by Lightning, each saving a checkpoint after step 3
+    (``trainer.save_checkpoint`` mid-fit) into ``saved``."""
     tmp = tmp_path_factory.mktemp("straight")
-    results, log = run_worker(tmp, "--plans", PLAN_ARG, "--steps", str(STEPS), "--gbs", str(GBS), "--cluster", "cpu")
-    return dict(zip(PLANS, results)), log
+    results, log = run_worker(tmp, "--plans", PLAN_ARG, "--steps", str(STEPS), "--gbs", str(GBS), "--cluster", "cpu",
+                              "--save-to", str(tmp / "ckpt"), "--save-at", "3")
+    return dict(zip(PLANS, results)), log, tmp / "ckpt"
 
 
 @pytest.fixture(scope="module")
-def resumed(tmp_path_factory):
-    """All plans: 3 steps and a checkpoint in one job, then a new job resumes each to 6 steps."""
+def resumed(tmp_path_factory, straight):
+    """All plans: a new job continues each one's step-3 checkpoint to 6 steps."""
     tmp = tmp_path_factory.mktemp("resume")
-    common = ["--plans", PLAN_ARG, "--gbs", str(GBS), "--cluster", "cpu"]
-    run_worker(tmp, *common, "--steps", "3", "--save-to", str(tmp / "ckpt"))
-    results, _ = run_worker(tmp, *common, "--steps", str(STEPS), "--resume-from", str(tmp / "ckpt"))
-    return dict(zip(PLANS, results)) | {"saved": tmp / "ckpt"}
+    results, _ = run_worker(tmp, "--plans", PLAN_ARG, "--gbs", str(GBS), "--cluster", "cpu", "--steps", str(STEPS),
+                            "--resume-from", str(straight[2]))
+    return dict(zip(PLANS, results)) | {"saved": straight[2]}
 
 
 @pytest.mark.parametrize("plan", PLANS)
@@ -103,7 +104,8 @@ def test_forced_plans_are_printed_with_predictions(straight):
 
 @pytest.mark.parametrize("plan", PLANS)
 def test_checkpoint_round_trip_is_bitwise(plan, straight, resumed):
-    """trainer.save_checkpoint at step 3, fit(ckpt_path=...) in a new job to step 6: identical to never stopping."""
+    """trainer.save_checkpoint after step 3 (mid-fit), fit(ckpt_path=...) in a new job to step 6: identical to the same
+    job's uninterrupted 6 steps (saving changed nothing of them)."""
     a, b = straight[0][plan], resumed[plan]
     assert b["global_step"] == STEPS
     assert b["eval_loss"] == a["eval_loss"]

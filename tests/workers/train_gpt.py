@@ -49,6 +49,18 @@ class LocalParams(Callback):
         self.states = len(getattr(trainer.optimizers[0], "state", {})) if trainer.optimizers else 0
 
 
+class SaveAt(Callback):
+    """``trainer.save_checkpoint(path)`` after optimizer step ``step``, in the middle of the fit (as ModelCheckpoint
+    saves), so one job gives both the uninterrupted run and the checkpoint a second job continues."""
+
+    def __init__(self, step: int, path: str) -> None:
+        self.step, self.path = step, path
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # type: ignore[no-untyped-def]
+        if trainer.global_step == self.step:
+            trainer.save_checkpoint(self.path)
+
+
 def full_state(trainer: Trainer, model: GPT) -> dict[str, torch.Tensor]:
     """The whole model's weights on every rank (ZeRO-3 partitions gathered)."""
     import deepspeed
@@ -68,6 +80,7 @@ def main() -> None:
     parser.add_argument("--precision", default="32-true")
     parser.add_argument("--clip", type=float, default=0.0, help="Trainer(gradient_clip_val=...)")
     parser.add_argument("--save-to", default=None, help="after each fit, trainer.save_checkpoint to DIR/<plan index>")
+    parser.add_argument("--save-at", type=int, default=None, help="with --save-to: save after this step instead, mid-fit")
     parser.add_argument("--resume-from", default=None, help="fit(ckpt_path=DIR/<plan index>)")
     parser.add_argument("--resume-index", type=int, default=None, help="resume every plan from DIR/<this index> instead")
     parser.add_argument("--out", required=True)
@@ -79,11 +92,12 @@ def main() -> None:
         dm = StdlibText(**DATA)
         strategy = lightning_fleet.FleetStrategy(plan=None if plan == "auto" else plan, global_batch_size=args.gbs, cluster=args.cluster)
         counted = LocalParams()
+        saving = [SaveAt(args.save_at, f"{args.save_to}/{index}")] if args.save_to and args.save_at is not None else []
         trainer = Trainer(
             accelerator="cpu",
             devices=args.devices,
             strategy=strategy,
-            callbacks=[counted, *QUIET_TRAINER.get("callbacks", [])],  # a wrapping worker may add its own
+            callbacks=[counted, *saving, *QUIET_TRAINER.get("callbacks", [])],  # a wrapping worker may add its own
             precision=args.precision,
             gradient_clip_val=args.clip or None,
             max_steps=args.steps,
@@ -93,7 +107,7 @@ def main() -> None:
         )
         saved = index if args.resume_index is None else args.resume_index
         trainer.fit(model, dm, ckpt_path=f"{args.resume_from}/{saved}" if args.resume_from else None)
-        if args.save_to:
+        if args.save_to and args.save_at is None:
             trainer.save_checkpoint(f"{args.save_to}/{index}")
         x, y = eval_batch(dm)
         if trainer.strategy.plan.pp > 1:  # each stage holds only its layers: evaluate through the pipeline
