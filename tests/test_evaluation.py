@@ -46,12 +46,11 @@ def reference() -> dict:
 
 @pytest.fixture(scope="module")
 def evaluated(tmp_path_factory) -> tuple[dict, dict]:
-    """(after fit with the same Trainer, from the checkpoint with a fresh Trainer and module), per plan."""
+    """(after fit with the same Trainer, from the checkpoint with a fresh Trainer, strategy and module), per plan; one job."""
     tmp = tmp_path_factory.mktemp("evaluation")
-    common = ["--plans", PLAN_ARG, "--steps", str(STEPS), "--gbs", str(GBS)]
-    after_fit, _ = run_worker(tmp, *common, "--save-to", str(tmp / "ckpt"), worker=WORKER)
-    from_checkpoint, _ = run_worker(tmp, *common, "--from-checkpoint", str(tmp / "ckpt"), worker=WORKER)
-    return dict(zip(PLANS, after_fit)), dict(zip(PLANS, from_checkpoint))
+    after_fit, _ = run_worker(tmp, "--plans", PLAN_ARG, "--steps", str(STEPS), "--gbs", str(GBS), "--save-to", str(tmp / "ckpt"),
+                              worker=WORKER)
+    return dict(zip(PLANS, after_fit)), {plan: result["from_checkpoint"] for plan, result in zip(PLANS, after_fit)}
 
 
 @pytest.mark.parametrize("source", ["after_fit", "from_checkpoint"])

@@ -1,10 +1,10 @@
 """Worker for the evaluation tests: fit the example GPT under a plan, then validate, test and predict with the same Trainer;
-or, with --from-checkpoint, validate/test/predict a fresh module from the checkpoint a fit saved.
+with --save-to, also save it and validate/test/predict the checkpoint with a fresh Trainer, strategy and module.
 
 Rank 0 writes per plan: the in-fit validation loss, the metrics of validate and test, its own predictions (the
 DistributedSampler gives rank r the samples r, r + world, ...) and the module's weights after evaluation.
 
-    python tests/workers/eval_gpt.py --plans "dp=2,zero=3;dp=1,tp=2" --out /tmp/r.pt [--save-to DIR | --from-checkpoint DIR]
+    python tests/workers/eval_gpt.py --plans "dp=2,zero=3;dp=1,tp=2" --out /tmp/r.pt [--save-to DIR]
 """
 
 from __future__ import annotations
@@ -42,24 +42,26 @@ def main() -> None:
     parser.add_argument("--plans", required=True, help="';'-separated plan strings")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--gbs", type=int, default=8)
-    parser.add_argument("--save-to", default=None, help="after each fit, trainer.save_checkpoint(DIR/<plan index>)")
-    parser.add_argument("--from-checkpoint", default=None, help="no fit: evaluate a fresh module from DIR/<plan index>")
+    parser.add_argument("--save-to", default=None, help="after each fit, trainer.save_checkpoint(DIR/<plan index>), and "
+                                                         "evaluate it with a fresh Trainer, strategy and module")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     results = []
-    for index, plan in enumerate(args.plans.split(";")):
+    def fresh(plan: str) -> tuple[Trainer, GPT, StdlibText]:
         seed_everything(0)
-        model, dm = GPT(**SIZES), StdlibText(**DATA)
         strategy = lightning_fleet.FleetStrategy(plan=plan, global_batch_size=args.gbs, cluster="cpu")
         trainer = Trainer(strategy=strategy, max_steps=args.steps, val_check_interval=args.steps, num_sanity_val_steps=0, **QUIET)
-        if args.from_checkpoint:
-            result = evaluate(trainer, model, dm, ckpt_path=f"{args.from_checkpoint}/{index}")
-        else:
-            trainer.fit(model, dm)
-            fit_val_loss = float(trainer.callback_metrics["val_loss"])
-            if args.save_to:
-                trainer.save_checkpoint(f"{args.save_to}/{index}")
-            result = {**evaluate(trainer, model, dm), "fit_val_loss": fit_val_loss}
+        return trainer, GPT(**SIZES), StdlibText(**DATA)
+
+    for index, plan in enumerate(args.plans.split(";")):
+        trainer, model, dm = fresh(plan)
+        trainer.fit(model, dm)
+        fit_val_loss = float(trainer.callback_metrics["val_loss"])
+        result = {**evaluate(trainer, model, dm), "fit_val_loss": fit_val_loss}
+        if args.save_to:
+            trainer.save_checkpoint(f"{args.save_to}/{index}")
+            again, untrained, data = fresh(plan)  # nothing of the fit: a new Trainer, strategy and module
+            result["from_checkpoint"] = {**evaluate(again, untrained, data, ckpt_path=f"{args.save_to}/{index}"), "plan": plan}
         results.append({**result, "plan": plan})
     if trainer.global_rank == 0:
         torch.save(results, args.out)
