@@ -37,9 +37,10 @@ def shard_groups(dp: int, tp: int, zero: int, devices_per_node: int, *, every: b
     return [None, *groups]
 
 
-def brute_force(model, cluster, cons: Constraints = Constraints(), *, every_group: bool = False):
+def brute_force(model, cluster, cons: Constraints = Constraints(), *, every_group: bool = False, shard_degree: int | None = None):
     """Every valid plan (all placements; the hybrid shard groups the search prices, or with ``every_group`` all of
-    them), estimated one by one: the ground truth for the search."""
+    them; with ``shard_degree`` only the plans sharding over groups of that size), estimated one by one: the ground
+    truth for the search."""
     world = cluster.world_size
     out = []
     for tp, pp in itertools.product(divisors(world), repeat=2):
@@ -61,6 +62,8 @@ def brute_force(model, cluster, cons: Constraints = Constraints(), *, every_grou
                     candidate = Plan(dp=dp, tp=tp, pp=pp, zero=zero, mbs=mbs, gas=batch // mbs, recompute=recompute, sp=sp,
                                      vpp=vpp, offload=offload, dp_shard=group)
                 except PlanError:
+                    continue
+                if shard_degree is not None and (not zero or candidate.shard_degree != shard_degree):
                     continue
                 for order in itertools.permutations(Axis):
                     out.append(estimate(model, cluster, candidate.replace(order=order)))
@@ -419,7 +422,7 @@ def test_a_fixed_shard_group_is_every_plans_group():
     result = plan(model, cluster, top=3, exhaustive=True, constraints=narrow(Constraints(), parse_partial_plan("dp_shard=2")))
     assert all(e.plan.shard_degree == 2 and e.plan.zero >= 1 for e in result.all_feasible)
     assert {e.plan.dp for e in result.all_feasible} == {2, 4, 8}
-    truth = [e for e in brute_force(model, cluster, every_group=True) if e.fits and e.plan.shard_degree == 2 and e.plan.zero]
+    truth = [e for e in brute_force(model, cluster, every_group=True, shard_degree=2) if e.fits]
     assert result.best.time.step_s == pytest.approx(min(e.time.step_s for e in truth), rel=1e-12)
     with pytest.raises(PlanError, match="dp_shard=2 is not allowed here .allowed: none, as zero is 0 here and hybrid"):
         narrow(Constraints(zero_stages=(0,)), parse_partial_plan("dp_shard=2"))
