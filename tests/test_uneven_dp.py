@@ -238,28 +238,35 @@ def _matches_reference(result: dict, reference: tuple, text: str, atol: float = 
         torch.testing.assert_close(tensor, ref_state[name], atol=atol, rtol=1e-6, msg=lambda m, name=name: f"{text}: {name}: {m}")
 
 
+@pytest.fixture(scope="module")
+def uneven(tmp_path_factory) -> tuple[list[dict], Path]:
+    """Every UNEVEN plan trained 6 steps in one job, each saving a checkpoint after step 3 (mid-fit) under DIR/<index>."""
+    from tests.multiprocess import run_worker
+
+    tmp = tmp_path_factory.mktemp("uneven")
+    results, _ = run_worker(tmp, "--plans", ";".join(UNEVEN), "--steps", str(STEPS), "--gbs", str(GBS), "--cluster", "cpu",
+                            "--save-to", str(tmp / "ckpt"), "--save-at", "3")
+    return results, tmp / "ckpt"
+
+
 @pytest.mark.multiprocess
-def test_uneven_replicas_train_the_single_process_model_at_every_zero_stage(tmp_path, reference) -> None:
+def test_uneven_replicas_train_the_single_process_model_at_every_zero_stage(uneven, reference) -> None:
     """Replica 0 takes 3 samples a micro-batch and replica 1 one (or the other way round), 2 micro-batches a step: the
     weights after 6 AdamW steps equal the one-process reference at ZeRO 0-3 (with the replicas' losses unweighted they
     would not: the gradient would weight replica 1's two samples like replica 0's six)."""
-    from tests.multiprocess import run_worker
-
-    results, _ = run_worker(tmp_path, "--plans", ";".join(UNEVEN), "--steps", str(STEPS), "--gbs", str(GBS), "--cluster", "cpu")
-    for text, result in zip(UNEVEN, results):
+    for text, result in zip(UNEVEN, uneven[0]):
         _matches_reference(result, reference, text)
 
 
 @pytest.mark.multiprocess
-def test_a_checkpoint_taken_under_one_split_resumes_under_another(tmp_path, reference) -> None:
-    """3 steps with replicas at 3/1, a checkpoint, then a new job resumes it at 1/3 to step 6: the reference's weights."""
+def test_a_checkpoint_taken_under_one_split_resumes_under_another(tmp_path, uneven, reference) -> None:
+    """The step-3 checkpoint of replicas at 1/3, resumed by a new job at 3/1 to step 6: the reference's weights."""
     from tests.multiprocess import run_worker
 
-    common = ["--gbs", str(GBS), "--cluster", "cpu"]
-    run_worker(tmp_path, "--plans", "dp=2,zero=1,dp_mbs=3/1", *common, "--steps", "3", "--save-to", str(tmp_path / "ckpt"))
-    results, _ = run_worker(tmp_path, "--plans", "dp=2,zero=1,dp_mbs=1/3", *common, "--steps", str(STEPS),
-                            "--resume-from", str(tmp_path / "ckpt"))
-    _matches_reference(results[0], reference, "dp=2,zero=1,dp_mbs=1/3")
+    saved = UNEVEN.index("dp=2,zero=1,dp_mbs=1/3")
+    results, _ = run_worker(tmp_path, "--plans", "dp=2,zero=1,dp_mbs=3/1", "--gbs", str(GBS), "--cluster", "cpu",
+                            "--steps", str(STEPS), "--resume-from", str(uneven[1]), "--resume-index", str(saved))
+    _matches_reference(results[0], reference, "dp=2,zero=1,dp_mbs=3/1")
 
 
 CPU_CGROUPS = Path("/sys/fs/cgroup/cpu")
