@@ -1,16 +1,15 @@
-"""FleetStrategy: the Lightning adapter. It decides once (:mod:`lightning_fleet.decide`: the plan and the runtime) and
-applies the Decision through that runtime's backend (the runtime table, :data:`lightning_fleet.runtime.RUNTIMES`).
+"""FleetStrategy: the Lightning faces of the neutral fit core (:mod:`lightning_fleet.fit`).
 
-Three classes: :class:`FleetStrategy` (on Lightning's DDPStrategy) holds what every runtime shares -- the options a user
-passes, the fit's setup order (read the data, measure the cluster, choose the checkpoint to continue, decide on rank 0
-and broadcast once, apply), evaluation outside fit on whole-module replicas, the training step's micro-batches, their
-loss weights, the load route and the hand-back -- and one thin face per runtime, on the Lightning class whose precision
-plugin it needs: :class:`DeepSpeedFleetStrategy` (DeepSpeedStrategy, its CUDA-only seams lifted on CPU) and
-:class:`TorchFleetStrategy` (DDPStrategy). ``FleetStrategy(...)`` becomes the face of the runtime asked for, and at
-setup the face of the runtime the decision chose. The plan comes from the planning core, the runtime's calls from its
-backend, the checkpoint layout from :mod:`lightning_fleet.elastic.layout`, the data order from
-:mod:`lightning_fleet.data`. Imported by the package's ``__init__`` and the presets' registration; nothing below it
-imports it (tests/test_layering.py).
+:class:`~lightning_fleet.fit.FitCore` holds everything one fit does that is neither Lightning's nor a runtime's (setup ->
+Decision, apply, the engine, step batches, loss weights, rebalancing, save, the load route, the hand-back); the classes
+here only translate Lightning's hooks into its calls. Three classes: :class:`FleetStrategy` (on Lightning's
+DDPStrategy) holds what every face shares -- the options a user passes, Lightning's process-group and launcher seams
+lifted on CPU, the callbacks a fit attaches, evaluation outside fit on whole-module replicas, the training step's
+micro-batch loop -- and one thin face per runtime, on the Lightning class whose precision plugin it needs:
+:class:`DeepSpeedFleetStrategy` (DeepSpeedStrategy, its CUDA-only seams lifted on CPU) and :class:`TorchFleetStrategy`
+(DDPStrategy). ``FleetStrategy(...)`` becomes the face of the runtime asked for, and at setup the face of the runtime
+the decision chose (the runtime table names each runtime's face, :data:`lightning_fleet.runtime.RUNTIMES`). Imported by
+the package's ``__init__`` and the presets' registration; nothing below it imports it (tests/test_layering.py).
 """
 
 from __future__ import annotations
