@@ -69,6 +69,12 @@ def samples(n: int = 48) -> TensorDataset:
 
 @pytest.fixture
 def one_process_group():
+    """A default process group of this one process: the one an earlier in-process Trainer of this pytest process left
+    (Lightning keeps it, as it keeps it between fits), else a new one, destroyed afterwards."""
+    if dist.is_initialized():
+        assert dist.get_world_size() == 1
+        yield
+        return
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         yield
