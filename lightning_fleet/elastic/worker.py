@@ -355,7 +355,7 @@ DETERMINISTIC_TYPES: tuple[type[FleetError], ...] = (SpecError, PlanError, NoFea
 
 def deterministic(error: E, value: bool = True) -> E:
     """Mark a FleetError as one every attempt of this job would raise again (or, ``value=False``, as one a restart may
-    cure); returns it: ``raise deterministic(FleetError(...))``. The mark survives pickling (``_on_rank_zero``)."""
+    cure); returns it: ``raise deterministic(FleetError(...))``. The mark survives pickling (``FitCore.on_rank_zero``)."""
     setattr(error, _DETERMINISTIC, value)
     return error
 

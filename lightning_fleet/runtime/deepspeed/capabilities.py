@@ -55,7 +55,7 @@ DEEPSPEED = Capabilities(
     # the engine never checks the size of the batches it is fed (only the config's train_batch_size = micro * gas *
     # dp, runtime/config.py), reduces the replicas' gradients by their mean (runtime/engine.py allreduce_gradients,
     # ZeRO's average_tensor), and scales each micro-batch's loss by 1/gas: each replica's loss weighted by dp * its
-    # micro-batch / their sum (strategy.py _weighted) gives the global batch's mean gradient at every ZeRO stage
+    # micro-batch / their sum (fit.py FitCore.loss_weight) gives the global batch's mean gradient at every ZeRO stage
     uneven_dp=True,
     # PipelineEngine.train_batch computes the loss inside its schedule (runtime/pipe/engine.py _exec_forward_pass):
     # strategy "fleet" has no hook there to weight it

@@ -59,7 +59,7 @@ TORCH = Capabilities(
     interleaved_pipeline=False,
     uneven_stages=False,
     # DDP averages the replicas' gradients (reducer.cpp divides by the world size), so each replica's loss weighted by
-    # its share (strategy.py _weighted) gives the global batch's mean gradient, as for DeepSpeed
+    # its share (fit.py FitCore.loss_weight) gives the global batch's mean gradient, as for DeepSpeed
     uneven_dp=True,
     uneven_dp_with_pp=False,
     max_zero_with_pp=0,
