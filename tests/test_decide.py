@@ -210,6 +210,17 @@ def test_the_fastest_executable_runtime_trains_and_the_report_says_by_how_much()
     assert str(decision.plan).endswith(f",runtime={decision.runtime}")
 
 
+def test_required_offload_on_torch_is_fsdp2s_host_offload_at_shard_level_3():
+    """runtime=torch with offload required: the planner offers only what FSDP2's CPUOffloadPolicy runs (optimizer and
+    parameters, at zero=3); under "auto" an optimizer-only offload plan may still go to DeepSpeed."""
+    from lightning_fleet.planning import Offload
+
+    torch_only = run_both(facts(), plan="runtime=torch", require_offload=True)
+    assert torch_only.runtime == "torch"
+    assert (torch_only.plan.offload, torch_only.plan.zero) == (Offload.OPTIMIZER_PARAMS, 3)
+    assert run_both(facts(), plan="zero=2,offload=optimizer").runtime == "deepspeed"
+
+
 def test_a_plan_only_one_runtime_runs_goes_to_it_and_one_no_runtime_runs_names_each_refusal():
     decision = run_both(facts(), plan="zero=1,offload=optimizer")
     assert decision.runtime == "deepspeed" and decision.plan.zero == 1
