@@ -80,11 +80,7 @@ class Ranks(Protocol):
     @property
     def global_rank(self) -> int: ...
     @property
-    def local_rank(self) -> int: ...
-    @property
     def world_size(self) -> int: ...
-    @property
-    def num_nodes(self) -> int: ...
     @property
     def num_processes(self) -> int: ...
     @property
@@ -227,9 +223,8 @@ class FitCore:
         started = time.perf_counter()
         cluster = self.resolve_cluster(shape)
         measured = time.perf_counter()
-        facts_of_job = self.facts
         chosen = self.on_rank_zero(
-            lambda: checkpoint_to_continue(Path(requested) if requested is not None else None, directory, facts_of_job,
+            lambda: checkpoint_to_continue(Path(requested) if requested is not None else None, directory, self.facts,
                                            self.settings.resume)
         )
         path, manifest = (str(chosen.path), chosen.manifest) if chosen is not None else (None, None)
@@ -431,15 +426,13 @@ class FitCore:
         """Whether the engine runs a pipeline schedule now."""
         return self.engine_in_use(model) and self.plan is not None and self.plan.pp > 1
 
-    def release_engine(self, module: Any) -> Any:
+    def release_engine(self, module: Any) -> None:
         """Evaluation of ``module`` itself: after a fit in this process it is already a plain module holding the trained
-        weights (the end of training handed it back; else it is handed back here); the engine is kept only for saving.
-        Returns what the face runs: the module."""
+        weights (the end of training handed it back; else it is handed back here); the engine is kept only for saving."""
         self.module = module
         if self.engine is not None and self.module_record is not None:
             self.backend.hand_back(self, self.module_record)  # a no-op when the end of training handed it back already
         self.undo_patches()
-        return module
 
     def hand_back_at_end(self) -> bool:
         """End of fit (collective): the user's module as a plain module in its original structure holding the trained

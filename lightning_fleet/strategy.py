@@ -418,7 +418,8 @@ class FleetStrategy(DDPStrategy):
     def _setup_evaluation(self, trainer) -> None:  # type: ignore[no-untyped-def]
         """validate/test/predict outside fit: every rank holds the whole model (a fit's engine in this process is
         released first, its trained weights gathered into the module) and evaluates its share of the data."""
-        self.model = self.core.release_engine(self.lightning_module)
+        self.core.release_engine(self.lightning_module)
+        self.model = self.lightning_module
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         self._use_evaluation_precision()

@@ -36,8 +36,8 @@ CLUSTER = (
 class OneProcess:
     """The Ranks of a one-process job: what a face hands the core."""
 
-    global_rank = local_rank = 0
-    world_size = num_nodes = num_processes = 1
+    global_rank = 0
+    world_size = num_processes = 1
     is_global_zero = True
     root_device = torch.device("cpu")
 
