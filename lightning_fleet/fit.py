@@ -59,7 +59,7 @@ from lightning_fleet.elastic.layout import MANIFEST, rank_file, rank_file_name
 from lightning_fleet.elastic.safe_load import load_file
 from lightning_fleet.elastic.sampler import ShareSchedule
 from lightning_fleet.elastic.worker import deterministic_errors
-from lightning_fleet.hooks import find_layers, module_hooks, tensor_parallel_hook
+from lightning_fleet.hooks import find_layers, module_hooks, per_rank_attributes, tensor_parallel_hook
 from lightning_fleet.planning import ClusterSpec, Estimate, FleetError, Plan, Precision, load_cluster
 from lightning_fleet.planning.cluster import GIB
 from lightning_fleet.planning.plan import share_weight
@@ -358,6 +358,9 @@ class FitCore:
         self.module_record = self.backend.record(model)  # before the runtime changes it
         for obj, name in self.backend.process_globals():
             self.patch(obj, name, getattr(obj, name))
+        counts = per_rank_attributes(self.module) if self.plan.tp > 1 else []  # the user's module, whatever wraps it here
+        for _, owner, name, value in counts:  # the original comes back with the module (DeepSpeed's AutoTP may divide a known name itself)
+            self.patch(owner, name, value)
         stack = find_layers(model)
         engine, optimizer = self.backend.build(
             model,
@@ -368,6 +371,8 @@ class FitCore:
             device_rank=device_rank,
             layers=list(stack) if stack is not None else None,
         )
+        for _, owner, name, value in counts:  # each rank holds a tp-th of what they count
+            setattr(owner, name, value // self.plan.tp)
         self.engine, self.handed_back = engine, False
         return engine, optimizer
 

@@ -16,6 +16,11 @@ malformed answer is a FleetError naming the hook and the shape it must return.
     query/key/value weight or a layer that is not an ``nn.Linear`` cannot be split). Optionally ``"sequence"``:
     regexes over the parameter names of the modules inside the layer stack that run on sequence shards under sequence
     parallelism (the norms): with them a runtime that runs it may plan sp=true (:func:`sequence_parallel_layout`).
+    Optionally ``"per_rank"``: regexes over ``<module path>.<attribute>`` naming the integer attributes the module's
+    forward reads as counts of what tensor parallelism splits (``layers.0.attn.n_heads`` for code that does
+    ``q.view(b, t, self.n_heads, head_dim)``): while the module is split, each rank's value is the count divided by tp,
+    and the original comes back with the module at the end of fit (:func:`per_rank_attributes`; code that reshapes with
+    ``-1`` needs none, as torchtitan's and Hugging Face's do).
 ``fleet_pipeline()``
     ``{"layers": [nn.Module, ...], "loss_fn": fn(last_output, labels)}``: the forward pass as a sequence (each layer
     takes the previous one's output alone: :data:`PIPELINE_SHAPE`) and the loss; a training batch is then
@@ -80,11 +85,11 @@ def _tensor_parallel_answer(module: nn.Module) -> dict[str, Any] | None:
         return None
     spec = hook()
     shape = ("{'num_heads': int, 'column': [regex...], 'row': [regex...]} (optional 'num_kv_heads': int, 'head_dim': int, "
-             "'sequence': [regex...])")
+             "'sequence': [regex...], 'per_rank': [regex...])")
     try:
         heads = int(spec["num_heads"])
         optional = [int(spec[key]) for key in ("num_kv_heads", "head_dim") if spec.get(key) is not None]
-        for pattern in (*spec["column"], *spec["row"], *(spec.get("sequence") or ())):
+        for pattern in (*spec["column"], *spec["row"], *(spec.get("sequence") or ()), *(spec.get("per_rank") or ())):
             re.compile(pattern)
     except (KeyError, TypeError, ValueError, AttributeError, re.error):
         raise FleetError(f"{type(module).__name__}.fleet_tensor_parallel() must return {shape}") from None
@@ -136,7 +141,34 @@ def _limits(module: nn.Module, spec: dict[str, Any]) -> tuple[TensorParallelLimi
     heads, kv, head_dim = _attention_shape(module, spec)
     split = split_layers(module, _patterns(spec))
     head_dim = head_dim or _head_dim(split, heads)
-    return tuple(_limit(name, sub, kind, heads, kv, head_dim) for name, sub, kind in split)
+    counts = tuple(TensorParallelLimit(layer=path, parts=value, reason=(
+        f"the module reads it as a count of what tensor parallelism splits (fleet_tensor_parallel()'s 'per_rank'), and its "
+        f"{value} is not divisible by tp={{tp}}; use a tp that divides {value}")) for path, _, _, value in _per_rank(module, spec))
+    return tuple(_limit(name, sub, kind, heads, kv, head_dim) for name, sub, kind in split) + counts
+
+
+def per_rank_attributes(module: nn.Module) -> list[tuple[str, nn.Module, str, int]]:
+    """(path, owner, attribute, value) of each integer attribute ``fleet_tensor_parallel()``'s ``per_rank`` patterns
+    name (empty without them): counts the module's forward reads that a tp-split module holds a tp-th of on each rank.
+    A pattern that names no integer attribute is a FleetError (a misspelt name would otherwise surface as a shape
+    error inside the forward)."""
+    spec = _tensor_parallel_answer(module)
+    return [] if spec is None else _per_rank(module, spec)
+
+
+def _per_rank(module: nn.Module, spec: dict[str, Any]) -> list[tuple[str, nn.Module, str, int]]:
+    patterns = tuple(spec.get("per_rank") or ())
+    if not patterns:
+        return []
+    found = [(f"{name}.{attr}" if name else attr, sub, attr, value) for name, sub in module.named_modules()
+             for attr, value in vars(sub).items() if _positive(value) and not attr.startswith("_")]
+    held = [entry for entry in found if any(re.match(p, entry[0]) for p in patterns)]
+    missing = [p for p in patterns if not any(re.match(p, entry[0]) for entry in held)]
+    if missing:
+        raise FleetError(f"{type(module).__name__}.fleet_tensor_parallel(): 'per_rank' pattern {missing[0]!r} names no positive integer "
+                         "attribute of the module or its submodules (matched against '<module path>.<attribute>', e.g. "
+                         "'layers.0.attn.n_heads'); fix the pattern or drop it")
+    return held
 
 
 def _split_kind(sub: nn.Module, name: str, patterns: TensorParallelSpec) -> str | None:

@@ -266,3 +266,38 @@ def test_a_module_sequence_parallelism_cannot_lay_out_says_why_in_one_line() -> 
         assert not hooks.sequence_parallel
         assert TORCH.refusal(parse_partial_plan("tp=2,sp=true"), hooks) == message
         assert not TORCH.constraints(hooks).allow_sp
+
+
+@pytest.mark.pure
+def test_per_rank_counts_are_limits_and_a_pattern_that_names_nothing_is_one_line() -> None:
+    """The zoo's Llama reshapes by ``self.heads`` / ``self.kv_heads`` and names them 'per_rank': each is a limit (tp must
+    divide 4 and 2), a tp=8 plan is refused on such a count; tp=2 with and without sequence parallelism may run; a
+    misspelt pattern is refused before anything runs."""
+    from torch import nn
+
+    from lightning_fleet.hooks import module_hooks, per_rank_attributes, tensor_parallel_limits
+    from lightning_fleet.runtime.torch.capabilities import TORCH
+    from tests.zoo import Llama
+
+    module = Llama()
+    counts = {(path, value) for path, _, _, value in per_rank_attributes(module)}
+    assert counts == {("layers.0.attn.heads", 4), ("layers.0.attn.kv_heads", 2), ("layers.1.attn.heads", 4), ("layers.1.attn.kv_heads", 2)}
+    limits = {limit.layer: limit for limit in tensor_parallel_limits(module)}
+    assert limits["layers.0.attn.kv_heads"].parts == 2 and limits["layers.0.attn.heads"].parts == 4
+    assert limits["layers.1.attn.heads"].refusal(8) == (
+        "tp=8 cannot split layers.1.attn.heads: the module reads it as a count of what tensor parallelism splits "
+        "(fleet_tensor_parallel()'s 'per_rank'), and its 4 is not divisible by tp=8; use a tp that divides 4")
+    hooks = module_hooks(module)
+    assert TORCH.refusal(parse_partial_plan("tp=2"), hooks) is None and TORCH.refusal(parse_partial_plan("tp=2,sp=true"), hooks) is None
+
+    class Misspelt(Llama):
+        def fleet_tensor_parallel(self) -> dict:
+            return {**super().fleet_tensor_parallel(), "per_rank": [r".*\.n_heads$"]}
+
+    with pytest.raises(FleetError) as err:
+        tensor_parallel_limits(Misspelt())
+    assert str(err.value) == (
+        "Misspelt.fleet_tensor_parallel(): 'per_rank' pattern '.*\\\\.n_heads$' names no positive integer attribute of the "
+        "module or its submodules (matched against '<module path>.<attribute>', e.g. 'layers.0.attn.n_heads'); fix the "
+        "pattern or drop it")
+    assert per_rank_attributes(nn.Linear(2, 2)) == []

@@ -1,7 +1,7 @@
 """Tier 3: the module zoo (tests/zoo.py: modules and data as users write them) trained on 2 gloo processes under
 strategy "fleet" on the torch runtime (the planner chooses the plan), on the torch runtime at a forced shard level (1, 2,
-3, 3 with offload, in turn over the modules: :data:`PLANS`) and on DeepSpeed's ZeRO-3, each held against plain
-single-process Lightning.
+3, 3 with offload, in turn over the modules: :data:`PLANS`) or tensor-parallel where the module has the hook
+(:data:`TENSOR_PARALLEL`), and on DeepSpeed's ZeRO-3, each held against plain single-process Lightning.
 
 The reference is ``Trainer(devices=1)`` without lightning_fleet's strategy, fed the same global batches in the same
 order (the documented order of the training data: lightning_fleet.data) as micro-batches with
@@ -38,10 +38,16 @@ PLANS = {"torch": ("runtime=torch",), "torch-levels": TORCH_LEVELS, "deepspeed-z
 the planner picks (DDP or FSDP2 at 2); the torch runtime's forced levels in turn (ZeroRedundancyOptimizer's partition,
 FSDP2 at 2 and 3, FSDP2 offloading to host memory: every level by 5 or 6 modules, each module by one, so the zoo costs
 one launch per setting); DeepSpeed's ZeRO-3."""
+TENSOR_PARALLEL = {"torch": {"llama": "tp=2,runtime=torch"}, "torch-levels": {"llama": "tp=2,sp=true,runtime=torch"}}
+"""Setting -> the cases that define ``fleet_tensor_parallel()``, trained tensor-parallel there instead: DTensor over both
+processes, and that with sequence parallelism (the zoo's Llama reshapes by its head counts, which its hook names
+'per_rank')."""
 
 
 def plan_of(setting: str, name: str) -> str:
     """The plan ``name`` trains under in ``setting``."""
+    if name in TENSOR_PARALLEL.get(setting, {}):
+        return TENSOR_PARALLEL[setting][name]
     plans = PLANS[setting]
     return plans[NAMES.index(name) % len(plans)]
 
@@ -101,7 +107,7 @@ def references() -> dict[str, dict]:
 def trained(request, tmp_path_factory) -> tuple[str, dict[str, dict]]:
     """Every case trained on 2 processes under one plan setting, in one job."""
     tmp = tmp_path_factory.mktemp(f"zoo-{request.param}")
-    results, log = run_worker(tmp, "--cases", ",".join(NAMES), "--plan", ";".join(PLANS[request.param]), "--steps", str(STEPS),
+    results, log = run_worker(tmp, "--cases", ",".join(NAMES), "--plan", ";".join(plan_of(request.param, name) for name in NAMES), "--steps", str(STEPS),
                               worker=WORKER, timeout=1200)
     return request.param, {r["case"]: r for r in results}
 

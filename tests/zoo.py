@@ -413,31 +413,51 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat([first * cos - second * sin, first * sin + second * cos], dim=-1)
 
 
-class LlamaLayer(nn.Module):
-    """Pre-norm decoder layer: GQA attention via scaled_dot_product_attention, SwiGLU MLP."""
+class LlamaAttention(nn.Module):
+    """Grouped-query attention via scaled_dot_product_attention, rotary positions; reshapes by its head counts."""
 
-    def __init__(self, width: int, heads: int, kv_heads: int, ffn: int) -> None:
+    def __init__(self, width: int, heads: int, kv_heads: int) -> None:
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, width // heads
-        self.attn_norm, self.mlp_norm = RMSNorm(width), RMSNorm(width)
         self.q = nn.Linear(width, width, bias=False)
         self.k = nn.Linear(width, kv_heads * self.head_dim, bias=False)
         self.v = nn.Linear(width, kv_heads * self.head_dim, bias=False)
         self.o = nn.Linear(width, width, bias=False)
-        self.gate = nn.Linear(width, ffn, bias=False)
-        self.up = nn.Linear(width, ffn, bias=False)
-        self.down = nn.Linear(ffn, width, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        b, t, _ = x.shape
-        h = self.attn_norm(x)
+    def forward(self, h: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        b, t, _ = h.shape
         q = self.q(h).view(b, t, self.heads, self.head_dim).transpose(1, 2)
         k = self.k(h).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v(h).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         y = F.scaled_dot_product_attention(rotate(q, cos, sin), rotate(k, cos, sin), v, is_causal=True, enable_gqa=True)
-        x = x + self.o(y.transpose(1, 2).reshape(b, t, -1))
-        h = self.mlp_norm(x)
-        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+        return self.o(y.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
+
+
+class SwiGLU(nn.Module):
+    """The gated MLP: down(silu(gate(h)) * up(h))."""
+
+    def __init__(self, width: int, ffn: int) -> None:
+        super().__init__()
+        self.gate = nn.Linear(width, ffn, bias=False)
+        self.up = nn.Linear(width, ffn, bias=False)
+        self.down = nn.Linear(ffn, width, bias=False)
+
+    def forward(self, h: Tensor) -> Tensor:
+        return self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class LlamaLayer(nn.Module):
+    """Pre-norm decoder layer: GQA attention, SwiGLU MLP, residual adds."""
+
+    def __init__(self, width: int, heads: int, kv_heads: int, ffn: int) -> None:
+        super().__init__()
+        self.attn_norm, self.mlp_norm = RMSNorm(width), RMSNorm(width)
+        self.attn = LlamaAttention(width, heads, kv_heads)
+        self.mlp = SwiGLU(width, ffn)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
 
 
 class Llama(ZooModule):
@@ -448,6 +468,7 @@ class Llama(ZooModule):
     def __init__(self, width: int = 32, heads: int = 4, kv_heads: int = 2, ffn: int = 48, layers: int = 2) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, width)
+        self.shape = (heads, kv_heads)
         self.layers = nn.ModuleList(LlamaLayer(width, heads, kv_heads, ffn) for _ in range(layers))
         self.norm = RMSNorm(width)
         self.head = nn.Linear(width, VOCAB, bias=False)
@@ -474,6 +495,15 @@ class Llama(ZooModule):
     def fleet_layers(self) -> nn.ModuleList:
         """The repeated decoder layers (lightning_fleet's optional hook)."""
         return self.layers
+
+    def fleet_tensor_parallel(self) -> dict[str, Any]:
+        """Tensor-parallel patterns (lightning_fleet's optional hook): the query, key, value, gate and up projections
+        split by columns, the output and down projections by rows; the attention reshapes by its head counts
+        (``view(b, t, self.heads, ...)``), which a split layer holds a tp-th of ('per_rank'); the layers' norms run on
+        sequence shards under sequence parallelism ('sequence')."""
+        return {"num_heads": self.shape[0], "num_kv_heads": self.shape[1], "column": [r".*\.(q|k|v|gate|up)\.weight$"],
+                "row": [r".*\.(o|down)\.weight$"], "per_rank": [r".*\.heads$", r".*\.kv_heads$"],
+                "sequence": [r".*_norm\.weight$"]}
 
 
 class TiedEmbeddings(ZooModule):
