@@ -50,6 +50,14 @@ def relative_error(predicted: float, measured: float) -> float:
     return abs(predicted - measured) / measured
 
 
+def round_noise(round_medians: list[list[float]]) -> float:
+    """Run-to-run noise of a benchmark run in rounds: for each job that ran more than once, half the range of its round
+    medians over their median (how far the same job moves between rounds on this machine); the median over the jobs,
+    0.0 when none ran twice. A difference between two jobs smaller than this cannot be told from noise."""
+    spreads = [(max(r) - min(r)) / 2 / statistics.median(r) for r in round_medians if len(r) > 1]
+    return statistics.median(spreads) if spreads else 0.0
+
+
 def ranks(values: list[float]) -> list[float]:
     """1-based ranks, ties getting the mean of the ranks they span."""
     order = sorted(range(len(values)), key=lambda i: values[i])

@@ -9,7 +9,7 @@ on the torch runtime against a bare DistributedDataParallel loop and against ``T
 Lightning user picks for that layout); torch-fsdp: FleetStrategy with a zero=2 plan fixed on the torch runtime (FSDP2)
 against FSDP2's fully_shard applied by hand in a plain loop (its fleet row, beside DeepSpeed's, is the same layout on
 either runtime). Each times every optimizer step; the report compares the median (and the lower quartile) of
-the steps after a warm-up over alternating rounds, each rank pinned to its own core, and gives FleetStrategy's start-up overhead (profiling, cluster, planning)
+the steps after a warm-up over rounds in alternating order (``--rounds``, default 6), each rank pinned to its own core, and gives FleetStrategy's start-up overhead (profiling, cluster, planning)
 separately.
 """
 
@@ -212,35 +212,61 @@ TABLES = {  # table (a key of PLANS) -> (the bare jobs it is held against, first
     "torch": (("torch", "bare DistributedDataParallel loop (by hand)"), ("ddp", 'Trainer(strategy="ddp")')),
     "torch-fsdp": (("fsdp", "bare FSDP2 loop (fully_shard by hand)"),),
 }
-ROUNDS = 4
+def round_jobs(round_index: int) -> list[str]:
+    """The jobs of one round: every table's bare jobs, then its fleet job, in TABLES' order in even rounds and reversed
+    in odd ones (no job always runs first, or always right after the same other job)."""
+    jobs = [role for table, bare in TABLES.items() for role in (*(r for r, _ in bare), f"fleet-{table}")]
+    return jobs if round_index % 2 == 0 else jobs[::-1]
+
+
+def verdict_line(label: str, bare_rounds: list[list[float]], fleet_rounds: list[list[float]], noise: float, goal: float = 0.98) -> str:
+    """The report's sentence for one table: FleetStrategy's throughput over the bare job's by the medians of every step
+    and by the lower quartiles, per round, and the goal met, tied within the noise, or missed."""
+    bare_med, bare_low, bare_each = _spread(bare_rounds)
+    fleet_med, fleet_low, fleet_each = _spread(fleet_rounds)
+    ratio = bare_med / fleet_med
+    said = "goal met" if ratio >= goal else ("a tie within the measured noise" if ratio >= goal - noise else "**goal missed**")
+    paired = ", ".join(f"{b / f:.3f}" for b, f in zip(bare_each, fleet_each))
+    return (f"**Throughput ratio FleetStrategy / {label}: {ratio:.3f}** by the medians, {bare_low / fleet_low:.3f} by the lower "
+            f"quartiles, per round {paired}; run-to-run noise {noise * 100:.1f} % -- {said} (goal >= {goal:.2f}).")
 
 
 def main() -> None:
+    import argparse
+
+    from benchmarks.cost_model import round_noise
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=6, help="rounds; every job runs once per round, the order reversed every other round")
+    args = parser.parse_args()
     work = ROOT / "out" / "bench"
     work.mkdir(parents=True, exist_ok=True)
     rounds: dict[str, list[list[float]]] = {}  # role -> each round's step times
     fleet: dict[str, list[dict]] = {}
-    for i in range(ROUNDS):  # alternate every job within a round, so that drift on this shared box hits all of them
-        for table, bare in TABLES.items():
-            for role, _ in bare:
-                rounds.setdefault(role, []).append(launch(role, work / f"{role}{i}.json")["step_s"])
-            record = launch(f"fleet-{table}", work / f"fleet-{table}{i}.json")
-            fleet.setdefault(table, []).append(record)
-            rounds.setdefault(f"fleet-{table}", []).append(record["step_s"])
+    for i in range(args.rounds):  # every job once per round, so that drift on this shared box hits all of them
+        for role in round_jobs(i):
+            record = launch(role, work / f"{role}{i}.json")
+            rounds.setdefault(role, []).append(record["step_s"])
+            if role.startswith("fleet-"):
+                fleet.setdefault(role.removeprefix("fleet-"), []).append(record)
+    noise = round_noise([[statistics.median(steps) for steps in each] for each in rounds.values()])
+    command = ".venv/bin/python benchmarks/strategy_vs_deepspeed.py" + (f" --rounds {args.rounds}" if args.rounds != 6 else "")
     text = f"""# FleetStrategy vs the same layout on each bare runtime
 
-Command: `.venv/bin/python benchmarks/strategy_vs_deepspeed.py`
+Command: `{command}`
 Machine: {platform.machine()}, {os.cpu_count()} cores, 2 processes under torchrun (gloo), OMP_NUM_THREADS=1, {time.strftime('%Y-%m-%d')}.
 Workload: example GPT (4 layers, hidden 128, seq 128, 0.88 M params), global batch {GBS}, {STEPS} steps, the first
-{WARMUP} dropped, {ROUNDS} rounds in which every job below runs once, in the order listed (alternating); each rank
-pinned to its own core. This box is shared: a job's steps drift by up to 1.5x within a run as other work comes and
-goes, so each row gives the median of every step, its lower quartile (the quieter steps) and each round's median.
+{WARMUP} dropped, {args.rounds} rounds in which every job below runs once (the order of the tables below, reversed every
+other round); each rank pinned to its own core. This box is shared: a job's steps drift by up to 1.5x within a run as
+other work comes and goes, so each row gives the median of every step, its lower quartile (the quieter steps) and each
+round's median; the run-to-run noise is the median over all jobs of half the range of a job's round medians over their
+median ({noise * 100:.1f} % in this run): a ratio within it of the goal is a tie.
 """
     for table, bare in TABLES.items():
         runs = fleet[table]
         startup = {k: statistics.median(r["startup"][k] for r in runs) for k in runs[-1]["startup"]}
         rows = [(label, *_spread(rounds[role])) for role, label in (*bare, (f"fleet-{table}", "Trainer(strategy=FleetStrategy(plan=...))"))]
-        (label, med, low, _), (_, fleet_med, fleet_low, _) = rows[0], rows[-1]
+        (_, _, fleet_low, _), fleet_med = rows[-1], rows[-1][1]
         text += f"""
 ## {table}
 
@@ -249,8 +275,8 @@ Plan `{runs[-1]['plan']}`.
 | job | median step s | lower quartile s | round medians s | samples/s (median) |
 |---|---|---|---|---|
 """ + "".join(f"| {name} | {m:.4f} | {q:.4f} | {', '.join(f'{r:.3f}' for r in each)} | {GBS / m:.1f} |\n" for name, m, q, each in rows) + f"""
-**Throughput ratio FleetStrategy / {label}: {med / fleet_med:.3f}** by the medians, {low / fleet_low:.3f} by the lower
-quartiles (goal >= 0.98).""" + "".join(f" FleetStrategy / {name}: {m / fleet_med:.3f} ({q / fleet_low:.3f})." for name, m, q, _ in rows[1:-1]) + f"""
+{verdict_line(bare[0][1], rounds[bare[0][0]], rounds[f"fleet-{table}"], noise)}""" + "".join(
+            f" FleetStrategy / {name}: {m / fleet_med:.3f} ({q / fleet_low:.3f})." for name, m, q, _ in rows[1:-1]) + f"""
 
 FleetStrategy start-up overhead (median of the rounds, rank 0): profiling on the meta device
 {startup['profile_s']:.3f} s, cluster (cached measurement) {startup['cluster_s']:.3f} s, planning and broadcast
@@ -262,7 +288,7 @@ The cost model predicted {runs[-1]['predicted_step_s']:.4f} s per step for this 
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3:
+    if len(sys.argv) == 3 and not sys.argv[1].startswith("-"):
         jobs = {"deepspeed": deepspeed_job, "torch": torch_job, "fsdp": fsdp_job, "ddp": ddp_job,
                 **{f"fleet-{table}": (lambda out, table=table: fleet_job(out, table)) for table in PLANS}}
         _pin()

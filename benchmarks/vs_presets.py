@@ -12,9 +12,12 @@ batch x 2 processes, the same data and seed for every strategy), each strategy t
 1. probes: ``Trainer(strategy=NAME)`` exactly as a user writes it, once per preset; a preset Lightning refuses on a CPU
    is then run as Lightning's own registered preset with the CPU seams opened (vs_presets_worker.VARIANTS), and the
    refusal is kept for the report;
-2. the main pass: every (model, size, strategy), each rank in its own memory cgroup without a limit: median step time of
-   the steps after the warm-up, samples/s, per-rank peak resident set (``ru_maxrss``) and cgroup peak
-   (``memory.max_usage_in_bytes``, what a limit acts on);
+2. the main pass: every (model, size, strategy), each rank in its own memory cgroup without a limit, in ``--rounds``
+   rounds in which every strategy runs once, the order reversed every other round (this machine is shared: alternating
+   spreads the drift of other work over all strategies): per round the median step time of the steps after the
+   warm-up; per strategy the median of its round medians, samples/s, per-rank peak resident set (``ru_maxrss``) and
+   cgroup peak (``memory.max_usage_in_bytes``, what a limit acts on); then fleet's throughput against the fastest
+   preset's, with the run-to-run noise measured in the same cell (:func:`verdict`);
 3. the limit pass (the larger size of each model): every strategy again with each rank's cgroup limited to a memory
    between the smallest and the largest cgroup peak the presets had in step 2, and fleet told that memory (its cluster
    file's device memory set to it): which of them fit at all;
@@ -33,6 +36,7 @@ import os
 import platform
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -42,7 +46,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.cost_model import free_port, ranks, spearman, worker_env  # noqa: E402  (stdlib only at import; the same statistics and worker setup as RESULTS.md)
+from benchmarks.cost_model import free_port, ranks, round_noise, spearman, worker_env  # noqa: E402  (stdlib only at import; the same statistics and worker setup as RESULTS.md)
 
 OUT = ROOT / "benchmarks" / "out" / "vs_presets"
 REPORT = ROOT / "benchmarks" / "VS_PRESETS.md"
@@ -109,6 +113,8 @@ class Outcome:
     """The layout priced: the preset's, or the plan fleet chose."""
     predicted_step_s: float = math.nan
     predicted_bytes: float = math.nan
+    round_step_s: tuple[float, ...] = ()
+    """Each round's median step time, in round order (one value when it ran once)."""
 
     @property
     def ran(self) -> bool:
@@ -127,6 +133,70 @@ def merge_ranks(records: list[dict]) -> dict:
     merged["median_step_s"] = max(steps) if not errors and all(math.isfinite(s) for s in steps) else math.nan
     merged["peak_rss_bytes"] = max(r["peak_rss_bytes"] for r in records)
     return merged
+
+
+def combine_rounds(rounds: list[dict]) -> dict:
+    """One strategy's record over the rounds (each a :func:`merge_ranks` record): the median of the round medians, each
+    round's median, the largest peaks; a strategy that failed in any round failed, with that round's error."""
+    if not rounds:
+        raise ValueError("combine_rounds needs at least one round")
+    errors = [r["error"] for r in rounds if r.get("error")]
+    steps = [r["median_step_s"] for r in rounds]
+    combined = dict(rounds[0])
+    combined["error"] = errors[0] if errors else ""
+    combined["round_step_s"] = steps
+    combined["median_step_s"] = statistics.median(steps) if not errors and all(math.isfinite(s) for s in steps) else math.nan
+    for key in ("peak_rss_bytes", "cgroup_peak_bytes"):
+        values = [r.get(key, math.nan) for r in rounds]
+        combined[key] = max(values) if all(math.isfinite(v) for v in values) else math.nan
+    return combined
+
+
+def round_order(strategies: tuple[str, ...], round_index: int) -> tuple[str, ...]:
+    """The order strategies run in a round: as listed in even rounds, reversed in odd ones (first and last swap places, so
+    no strategy always runs right after start-up or always last)."""
+    return strategies if round_index % 2 == 0 else tuple(reversed(strategies))
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """fleet's throughput against the fastest preset that ran in one (model, size), and whether it meets the goal."""
+
+    fastest: str
+    """The preset with the smallest median step time."""
+    ratio: float
+    """fleet's throughput / the fastest preset's (their medians of round medians)."""
+    round_ratios: tuple[float, ...]
+    """The same ratio within each round (the two ran minutes apart in the same round)."""
+    noise: float
+    """Run-to-run noise of this cell (:func:`benchmarks.cost_model.round_noise` over every strategy that ran): how far
+    the same job's round median moves between rounds here."""
+
+    @property
+    def met(self) -> str:
+        """'yes' when fleet is at least as fast, 'tie' when it is slower by less than the noise, else 'no'."""
+        if self.ratio >= 1.0:
+            return "yes"
+        return "tie" if self.ratio >= 1.0 - self.noise else "no"
+
+    def line(self) -> str:
+        """The report's sentence under the cell's table."""
+        rounds = ", ".join(f"{r:.3f}" for r in self.round_ratios)
+        said = {"yes": "goal met", "tie": "a tie within the measured noise", "no": "**goal missed**"}[self.met]
+        return (f"**fleet / fastest preset ({self.fastest}): {self.ratio:.3f}x** throughput by the medians of the rounds (per round: "
+                f"{rounds}); run-to-run noise in this cell {self.noise * 100:.1f} % -- {said} (goal >= 1.00, ties within the noise).")
+
+
+def verdict(outcomes: list["Outcome"]) -> Verdict | None:
+    """fleet against the fastest preset that ran (None when fleet or every preset did not run)."""
+    fleet = next((o for o in outcomes if o.strategy == "fleet" and o.ran), None)
+    presets = [o for o in outcomes if o.strategy != "fleet" and o.ran]
+    if fleet is None or not presets:
+        return None
+    fastest = min(presets, key=lambda o: o.step_s)
+    paired = [p / f for p, f in zip(fastest.round_step_s, fleet.round_step_s)]
+    return Verdict(fastest=fastest.strategy, ratio=fastest.step_s / fleet.step_s, round_ratios=tuple(paired),
+                   noise=round_noise([list(o.round_step_s) for o in outcomes if o.ran]))
 
 
 def chosen_plan(log: str) -> str:
@@ -168,16 +238,34 @@ def _short(plan: str) -> str:
 def group_section(model: str, size: str, params: float, global_batch: int, outcomes: list[Outcome]) -> list[str]:
     """The report's table for one (model, size): measured and predicted per strategy, then the two rankings."""
     lines = [f"### {model} {size} ({params / 1e6:.1f} M parameters, global batch {global_batch})", "",
-             "| strategy | ran as | median step s | samples/s | peak RSS GiB/rank | cgroup peak GiB/rank | layout priced | predicted step s | predicted GiB/rank |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| strategy | ran as | median step s | round medians s | samples/s | peak RSS GiB/rank | cgroup peak GiB/rank | layout priced | "
+             "predicted step s | predicted GiB/rank |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for o in outcomes:
-        measured = (f"{o.step_s:.4f} | {global_batch / o.step_s:.1f}" if o.ran else f"did not run: {o.error} | -")
+        rounds = ", ".join(f"{s:.3f}" for s in o.round_step_s) or "-"
+        measured = (f"{o.step_s:.4f} | {rounds} | {global_batch / o.step_s:.1f}" if o.ran else f"did not run: {o.error} | - | -")
         lines.append(f"| {o.strategy} | {o.ran_as} | {measured} | {_gib(o.peak_rss_bytes)} | {_gib(o.cgroup_peak_bytes)} | "
                      f"`{_short(o.plan)}` | {o.predicted_step_s:.4f} | {_gib(o.predicted_bytes)} |")
+    said = verdict(outcomes)
+    if said is not None:
+        lines += ["", said.line()]
     rows, rho = ranking(outcomes)
     lines += ["", f"Ranking by step time (1 = fastest), Spearman {rho:.3f}:", "",
               "| measured rank | strategy | predicted rank |", "|---|---|---|"]
     lines += [f"| {m:g} | {o.strategy} | {p:g} |" for o, p, m in rows]
+    return lines + [""]
+
+
+def verdict_section(verdicts: dict[str, Verdict | None]) -> list[str]:
+    """The report's summary: per (model, size), fleet's throughput against the fastest preset and whether the goal is met."""
+    lines = ["| model size | fastest preset | fleet / fastest (throughput) | per round | noise | goal >= 1.00 |", "|---|---|---|---|---|---|"]
+    for cell, said in verdicts.items():
+        if said is None:
+            lines.append(f"| {cell} | - | fleet or every preset did not run | - | - | no |")
+            continue
+        rounds = ", ".join(f"{r:.3f}" for r in said.round_ratios)
+        lines.append(f"| {cell} | {said.fastest} | {said.ratio:.3f}x | {rounds} | {said.noise * 100:.1f} % | "
+                     f"{ {'yes': 'met', 'tie': 'tie (within noise)', 'no': '**missed**'}[said.met]} |")
     return lines + [""]
 
 
@@ -358,18 +446,20 @@ def limited_cluster(limit_bytes: int, path: Path) -> Path:
 
 
 def measure_group(model: str, size: str, variants: dict, cluster: Path, *, pass_name: str, limit: int | None, warmup: int, steps: int,
-                  use_cgroups: bool, timeout_s: float) -> dict[str, dict]:
-    """Every strategy on one (model, size); their merged records."""
-    records = {}
-    for strategy in STRATEGIES:
-        variant = variants[strategy][0]
-        tag = f"{pass_name}-{model}-{size}-{strategy}"
-        record = launch(job_for(model, size, strategy, variant, tag, warmup=warmup, steps=steps, cluster=cluster), limit_bytes=limit,
-                        timeout_s=timeout_s, use_cgroups=use_cgroups)
-        records[strategy] = record
-        print(f"{pass_name} {model} {size} {strategy}: {record['median_step_s']:.4f} s/step, peak RSS {_gib(record['peak_rss_bytes'])} GiB, "
-              f"cgroup {_gib(record['cgroup_peak_bytes'])} GiB {record['error']}", flush=True)
-    return records
+                  use_cgroups: bool, timeout_s: float, rounds: int = 1) -> dict[str, dict]:
+    """Every strategy on one (model, size), ``rounds`` times in alternating order (:func:`round_order`); per strategy its
+    rounds combined (:func:`combine_rounds`), in STRATEGIES order."""
+    runs: dict[str, list[dict]] = {strategy: [] for strategy in STRATEGIES}
+    for index in range(rounds):
+        for strategy in round_order(STRATEGIES, index):
+            variant = variants[strategy][0]
+            tag = f"{pass_name}-{model}-{size}-{strategy}-r{index}"
+            record = launch(job_for(model, size, strategy, variant, tag, warmup=warmup, steps=steps, cluster=cluster), limit_bytes=limit,
+                            timeout_s=timeout_s, use_cgroups=use_cgroups)
+            runs[strategy].append(record)
+            print(f"{pass_name} {model} {size} {strategy} round {index + 1}/{rounds}: {record['median_step_s']:.4f} s/step, peak RSS "
+                  f"{_gib(record['peak_rss_bytes'])} GiB, cgroup {_gib(record['cgroup_peak_bytes'])} GiB {record['error']}", flush=True)
+    return {strategy: combine_rounds(records) for strategy, records in runs.items()}
 
 
 def outcomes_of(model: str, size: str, records: dict[str, dict], variants: dict, spec, cluster) -> list[Outcome]:  # type: ignore[no-untyped-def]
@@ -381,7 +471,8 @@ def outcomes_of(model: str, size: str, records: dict[str, dict], variants: dict,
         plan, step, nbytes = price(spec, cluster, layout, gbs) if layout else ("(fleet did not plan)", math.nan, math.nan)
         out.append(Outcome(model=model, size=size, strategy=strategy, ran_as=_variant_text(strategy, variants[strategy][0]),
                            step_s=r["median_step_s"], peak_rss_bytes=r["peak_rss_bytes"], cgroup_peak_bytes=r["cgroup_peak_bytes"],
-                           error=r["error"], plan=plan, predicted_step_s=step, predicted_bytes=nbytes))
+                           error=r["error"], plan=plan, predicted_step_s=step, predicted_bytes=nbytes,
+                           round_step_s=tuple(r.get("round_step_s", ()))))
     return out
 
 
@@ -399,6 +490,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="the GPT at its small size only (a smoke check)")
     parser.add_argument("--warmup", type=int, default=2, help="steps not timed")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per run (the median counts)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of the main pass (every strategy once per round, alternating order)")
     parser.add_argument("--timeout", type=float, default=300, help="seconds one run may take")
     parser.add_argument("--out", default=str(REPORT))
     args = parser.parse_args()
@@ -412,12 +504,13 @@ def main() -> None:
     cluster = load_cluster(str(cluster_path))
     variants = probe_variants(cluster_path, use_cgroups, args.timeout)
     groups = [("gpt", "S")] if args.quick else [(m, s) for m in MODELS for s in MODELS[m]["sizes"]]
-    sections, limits, raw = [], [], {}
+    sections, limits, raw, verdicts = [], [], {}, {}
     for model, size in groups:
         spec, params = profile_spec(model, size)
         records = measure_group(model, size, variants, cluster_path, pass_name="main", limit=None, warmup=args.warmup, steps=args.steps,
-                                use_cgroups=use_cgroups, timeout_s=args.timeout)
+                                use_cgroups=use_cgroups, timeout_s=args.timeout, rounds=args.rounds)
         outcomes = outcomes_of(model, size, records, variants, spec, cluster)
+        verdicts[f"{model} {size}"] = verdict(outcomes)
         raw[f"{model}-{size}"] = [asdict(o) for o in outcomes]
         sections += group_section(model, size, params, MODELS[model]["global_batch"], outcomes)
         last_size = list(MODELS[model]["sizes"])[-1]
@@ -432,7 +525,8 @@ def main() -> None:
             raw[f"{model}-{size}-limit"] = [asdict(o) for o in limited_outcomes]
             limits += limit_section(model, size, limit, limited_outcomes, predicted_fits)
     (OUT / "outcomes.json").write_text(json.dumps(raw, indent=1))
-    report = render(args, variants, sections, limits, use_cgroups, time.perf_counter() - started, load_before, os.getloadavg())
+    report = render(args, variants, verdict_section(verdicts) + sections, limits, use_cgroups, time.perf_counter() - started, load_before,
+                    os.getloadavg())
     Path(args.out).write_text(report)
     print(report)
 
@@ -444,13 +538,15 @@ PRESET_CONFIG_NOTE = " Each preset is priced as its layout (dp, ZeRO stage, offl
 def render(args, variants, sections, limits, use_cgroups, seconds, load_before, load_after) -> str:  # type: ignore[no-untyped-def]
     """VS_PRESETS.md."""
     refusals = [f"- `{s}`: {line}" for s, (_, lines) in variants.items() for line in lines]
-    command = ".venv/bin/python benchmarks/vs_presets.py" + (" --quick" if args.quick else "")
+    command = ".venv/bin/python benchmarks/vs_presets.py" + (" --quick" if args.quick else "") + (f" --rounds {args.rounds}" if args.rounds != 3 else "")
     lines = [
         "# strategy=\"fleet\" against the presets a Lightning user picks by hand",
         "",
         f"Command: `{command}` ({seconds / 60:.1f} min, {time.strftime('%Y-%m-%d')}); raw records under `benchmarks/out/vs_presets/`.",
         f"Machine: {platform.machine()}, {os.cpu_count()} cores, CPU only; every run 2 processes under torchrun (gloo, OMP_NUM_THREADS=1), "
-        f"{args.warmup} warm-up steps then the median of {args.steps} timed steps (slowest rank). Load average before/after: "
+        f"{args.warmup} warm-up steps then the median of {args.steps} timed steps (slowest rank); the main pass in {args.rounds} rounds, every "
+        "strategy once per round, the order reversed every other round, each strategy's step time the median of its round medians. "
+        "Load average before/after: "
         f"{load_before[0]:.2f} / {load_after[0]:.2f} (other work on this shared machine ran concurrently when it is above ~2).",
         f"Prediction: lightning_fleet's cost model on `{CLUSTER.relative_to(ROOT)}` (`fleet calibrate` on this machine), the module profiled as "
         "strategy=\"fleet\" profiles it; predicted memory is the whole process (device + host bytes: one RAM on a CPU), measured is the "

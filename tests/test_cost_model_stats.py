@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks import cost_model
-from benchmarks.cost_model import executable_plans, ranks, regret, relative_error, spearman
+from benchmarks.cost_model import executable_plans, ranks, regret, relative_error, round_noise, spearman
 from lightning_fleet.planning import parse_plan
 from lightning_fleet.runtime.base import ModuleHooks
 from lightning_fleet.runtime.deepspeed.capabilities import DEEPSPEED
@@ -22,6 +22,12 @@ def test_spearman() -> None:
     assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
     assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
     assert spearman([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(0.8)
+
+
+def test_round_noise_is_the_median_half_range_over_jobs_run_more_than_once() -> None:
+    """Half-ranges over medians: (0.6-0.4)/2/0.5 = 0.2, (1.1-0.9)/2/1.0 = 0.1, (2.2-1.8)/2/2.0 = 0.1; one run adds nothing."""
+    assert round_noise([[0.4, 0.5, 0.6], [0.9, 1.0, 1.1], [1.8, 2.0, 2.2], [7.0]]) == pytest.approx(0.1)
+    assert round_noise([[3.0]]) == 0.0
 
 
 def test_relative_error_and_regret() -> None:
