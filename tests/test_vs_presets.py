@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from benchmarks.vs_presets import (GIB, MIB, LAYOUTS, STRATEGIES, Outcome, chosen_plan, combine_rounds, group_section, limit_between, merge_ranks,
-                                    ranking, round_order, verdict, verdict_section)
+from benchmarks.vs_presets import (GIB, MIB, LAYOUTS, STRATEGIES, Outcome, chosen_plan, combine_rounds, group_section, limit_between,
+                                    lower_quartile, merge_ranks, ranking, round_order, verdict, verdict_section)
 
 pytestmark = pytest.mark.pure
 
@@ -66,12 +66,22 @@ def _rounds(strategy: str, rounds: tuple[float, ...]) -> Outcome:
 
     return Outcome(model="gpt", size="S", strategy=strategy, ran_as="named", step_s=statistics.median(rounds), peak_rss_bytes=GIB,
                    cgroup_peak_bytes=math.nan, error="", plan="dp=2,zero=0", predicted_step_s=0.1, predicted_bytes=GIB / 2,
-                   round_step_s=rounds)
+                   round_step_s=rounds, quiet_step_s=min(rounds))
+
+
+def test_lower_quartile_and_the_slowest_rank_step_by_step() -> None:
+    assert lower_quartile([0.9, 0.1, 0.5, 0.3, math.nan, 0.7]) == 0.3  # sorted 0.1 0.3 0.5 0.7 0.9: index 5 // 4 = 1
+    assert math.isnan(lower_quartile([]))
+    merged = merge_ranks([{"error": "", "median_step_s": 0.5, "peak_rss_bytes": 1, "step_times_s": [0.5, 0.4]},
+                          {"error": "", "median_step_s": 0.6, "peak_rss_bytes": 1, "step_times_s": [0.4, 0.6]}])
+    assert merged["step_times_s"] == [0.5, 0.6]
 
 
 def test_combine_rounds_takes_the_median_of_round_medians_and_fails_a_strategy_that_failed_once() -> None:
-    rounds = [{"error": "", "median_step_s": s, "peak_rss_bytes": b, "cgroup_peak_bytes": b} for s, b in ((0.5, 3), (0.9, 5), (0.6, 4))]
+    rounds = [{"error": "", "median_step_s": s, "peak_rss_bytes": b, "cgroup_peak_bytes": b, "step_times_s": [s, s]}
+              for s, b in ((0.5, 3), (0.9, 5), (0.6, 4))]
     combined = combine_rounds(rounds)
+    assert combined["step_times_s"] == [0.5, 0.5, 0.9, 0.9, 0.6, 0.6]
     assert (combined["median_step_s"], combined["round_step_s"], combined["peak_rss_bytes"], combined["cgroup_peak_bytes"]) == (0.6, [0.5, 0.9, 0.6], 5, 5)
     failed = combine_rounds([*rounds, {"error": "killed", "median_step_s": math.nan, "peak_rss_bytes": 9, "cgroup_peak_bytes": 9}])
     assert failed["error"] == "killed" and math.isnan(failed["median_step_s"])
@@ -92,6 +102,7 @@ def test_verdict_compares_fleet_with_the_fastest_preset_and_measures_the_noise()
     assert said.fastest == "fsdp" and said.ratio == pytest.approx(0.50 / 0.52)
     assert said.round_ratios == pytest.approx((0.96, 0.50 / 0.52, 0.56 / 0.54))
     assert said.noise == pytest.approx(0.08) and said.met == "tie"
+    assert said.quiet_ratio == pytest.approx(0.48 / 0.50)
     slow = verdict([*outcomes[:2], _rounds("fleet", (0.60, 0.60, 0.60))])
     assert slow.met == "no" and "goal missed" in slow.line()
     fast = verdict([*outcomes[:2], _rounds("fleet", (0.40, 0.45, 0.50))])
@@ -102,6 +113,6 @@ def test_verdict_compares_fleet_with_the_fastest_preset_and_measures_the_noise()
 def test_the_report_summarises_every_cell() -> None:
     outcomes = [_rounds("ddp", (0.60, 0.62, 0.70)), _rounds("fleet", (0.50, 0.52, 0.54))]
     text = "\n".join(verdict_section({"gpt S": verdict(outcomes), "llama L": None}))
-    assert "| gpt S | ddp | 1.192x |" in text and "| met |" in text
+    assert "| gpt S | ddp | 1.192x | 1.200, 1.192, 1.296 | 1.200x |" in text and "| met |" in text
     assert "| llama L | - | fleet or every preset did not run |" in text
     assert "0.600, 0.620, 0.700" in "\n".join(group_section("gpt", "S", 4.9e6, 16, outcomes))
