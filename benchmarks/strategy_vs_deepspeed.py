@@ -7,8 +7,9 @@ the same stdlib text in the same global-batch order. DeepSpeed: FleetStrategy wi
 runtime against the same config written by hand in a bare DeepSpeed loop. torch: FleetStrategy with a zero=0 plan fixed
 on the torch runtime against a bare DistributedDataParallel loop and against ``Trainer(strategy="ddp")`` (the preset a
 Lightning user picks for that layout); torch-fsdp: FleetStrategy with a zero=2 plan fixed on the torch runtime (FSDP2)
-against FSDP2's fully_shard applied by hand in a plain loop (its fleet row, beside DeepSpeed's, is the same layout on
-either runtime). Each times every optimizer step; the report compares the median (and the lower quartile) of
+against FSDP2's fully_shard applied by hand in a plain loop and against Lightning's own way to run FSDP2,
+``ModelParallelStrategy`` with fully_shard in the module's ``configure_model`` (its fleet row, beside DeepSpeed's, is the
+same layout on either runtime). Each times every optimizer step; the report compares the median (and the lower quartile) of
 the steps after a warm-up over rounds in alternating order (``--rounds``, default 6), each rank pinned to its own core, and gives FleetStrategy's start-up overhead (profiling, cluster, planning)
 separately.
 """
@@ -68,11 +69,36 @@ def fleet_job(out: Path, table: str) -> None:
 
 def ddp_job(out: Path) -> None:
     """Rank code: Trainer(strategy="ddp") on the same module and data (the DataLoader's batch 16 per process)."""
+    from examples.gpt.model import GPT
+
+    _lightning_job(out, "ddp", GPT(**MODEL))
+
+
+def model_parallel_job(out: Path) -> None:
+    """Rank code: the torch zero=2 plan as a Lightning user writes it for FSDP2: ``ModelParallelStrategy`` and
+    ``fully_shard`` on every block and the root (reshard_after_forward False) in the module's ``configure_model``."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from examples.gpt.model import GPT
+
+    class ShardedGPT(GPT):
+        def configure_model(self) -> None:
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = self.device_mesh["data_parallel"]
+            for block in self.blocks:
+                fully_shard(block, mesh=mesh, reshard_after_forward=False)
+            fully_shard(self, mesh=mesh, reshard_after_forward=False)
+
+    _lightning_job(out, ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1), ShardedGPT(**MODEL))
+
+
+def _lightning_job(out: Path, strategy: object, module: object) -> None:
+    """Trainer(strategy=strategy) over ``module`` and the data (the DataLoader's batch 16 per process), each step timed."""
     import torch.distributed as dist
     from lightning.pytorch import Callback, Trainer, seed_everything
 
     from examples.gpt.data import StdlibText
-    from examples.gpt.model import GPT
 
     times: list[float] = []
 
@@ -81,9 +107,9 @@ def ddp_job(out: Path) -> None:
             times.append(time.perf_counter())
 
     seed_everything(0)
-    trainer = Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=STEPS + 1, logger=False, enable_checkpointing=False,
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=STEPS + 1, logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=[StepClock()])
-    trainer.fit(GPT(**MODEL), StdlibText(**DATA))
+    trainer.fit(module, StdlibText(**DATA))
     if dist.get_rank() == 0:
         out.write_text(json.dumps({"step_s": [b - a for a, b in zip(times, times[1:])][WARMUP:]}))
 
@@ -210,7 +236,8 @@ def launch(role: str, out: Path) -> dict:
 TABLES = {  # table (a key of PLANS) -> (the bare jobs it is held against, first the one the goal is stated for)
     "deepspeed": (("deepspeed", "bare DeepSpeed loop (config by hand)"),),
     "torch": (("torch", "bare DistributedDataParallel loop (by hand)"), ("ddp", 'Trainer(strategy="ddp")')),
-    "torch-fsdp": (("fsdp", "bare FSDP2 loop (fully_shard by hand)"),),
+    "torch-fsdp": (("fsdp", "bare FSDP2 loop (fully_shard by hand)"),
+                   ("mp-fsdp", "Trainer(strategy=ModelParallelStrategy()), fully_shard in configure_model")),
 }
 def round_jobs(round_index: int) -> list[str]:
     """The jobs of one round: every table's bare jobs, then its fleet job, in TABLES' order in even rounds and reversed
@@ -289,7 +316,7 @@ The cost model predicted {runs[-1]['predicted_step_s']:.4f} s per step for this 
 
 if __name__ == "__main__":
     if len(sys.argv) == 3 and not sys.argv[1].startswith("-"):
-        jobs = {"deepspeed": deepspeed_job, "torch": torch_job, "fsdp": fsdp_job, "ddp": ddp_job,
+        jobs = {"deepspeed": deepspeed_job, "torch": torch_job, "fsdp": fsdp_job, "ddp": ddp_job, "mp-fsdp": model_parallel_job,
                 **{f"fleet-{table}": (lambda out, table=table: fleet_job(out, table)) for table in PLANS}}
         _pin()
         jobs[sys.argv[1]](Path(sys.argv[2]))

@@ -3,6 +3,7 @@ predicted ranking of the same layouts next to the measured one.
 
     .venv/bin/python benchmarks/vs_presets.py            # writes benchmarks/VS_PRESETS.md (+ benchmarks/out/vs_presets/)
     .venv/bin/python benchmarks/vs_presets.py --quick    # one model, one size: a smoke check
+    .venv/bin/python benchmarks/vs_presets.py --cells llama:S --strategies ddp --rounds 4 --steps 12 --out /tmp/ab.md  # an A/B
 
 For the example GPT (examples/gpt/model.py) and a Llama-style module (benchmarks/vs_presets_worker.py: RMSNorm, GQA,
 SwiGLU, RoPE, untied head, no biases, fused SDPA), each at two sizes and one global batch (the DataLoader's per-process

@@ -38,10 +38,12 @@ PLANS = {"torch": ("runtime=torch",), "torch-levels": TORCH_LEVELS, "deepspeed-z
 the planner picks (DDP or FSDP2 at 2); the torch runtime's forced levels in turn (ZeroRedundancyOptimizer's partition,
 FSDP2 at 2 and 3, FSDP2 offloading to host memory: every level by 5 or 6 modules, each module by one, so the zoo costs
 one launch per setting); DeepSpeed's ZeRO-3."""
-TENSOR_PARALLEL = {"torch": {"llama": "tp=2,runtime=torch"}, "torch-levels": {"llama": "tp=2,sp=true,runtime=torch"}}
+TENSOR_PARALLEL = {"torch": {"llama": "tp=2,runtime=torch"}, "torch-levels": {"llama": "tp=2,sp=true,runtime=torch"},
+                   "deepspeed-zero3": {"llama": "tp=2,zero=3,runtime=deepspeed"}}
 """Setting -> the cases that define ``fleet_tensor_parallel()``, trained tensor-parallel there instead: DTensor over both
-processes, and that with sequence parallelism (the zoo's Llama reshapes by its head counts, which its hook names
-'per_rank')."""
+processes, that with sequence parallelism, and DeepSpeed's AutoTP with ZeRO-3 (the zoo's Llama reshapes by its head
+counts, which its hook names 'per_rank'). The cases after it in the same process then train without tp: an AutoTP
+fit's model-parallel state must not leak into the next DeepSpeed engine."""
 
 
 def plan_of(setting: str, name: str) -> str:

@@ -108,7 +108,13 @@ class DeepSpeedBackend:
         """(engine, its optimizer): the pipeline module built first when ``plan.pp > 1`` (over the layer stack, by its
         layers' class), then ``deepspeed.initialize`` on the live process group."""
         import deepspeed
+        from deepspeed.utils import groups
 
+        if plan.tp == 1:
+            # an earlier AutoTP fit in this process left its model-parallel unit in deepspeed.utils.groups (set by
+            # runtime/engine.py _configure_distributed_model, never reset): this engine would take itself for
+            # model-parallel and ask a unit it was not given for its rank (AttributeError inside DeepSpeedEngine)
+            groups.mpu = None
         if plan.pp > 1:
             assert layers, "a pipeline plan needs the layer stack (the capabilities say so)"
             module = build_pipeline(module, plan, layer_type=type(layers[0]).__name__)
