@@ -58,6 +58,20 @@ def round_noise(round_medians: list[list[float]]) -> float:
     return statistics.median(spreads) if spreads else 0.0
 
 
+def lower_quartile(values: list[float]) -> float:
+    """The value a quarter of the way up the sorted values (nan when there are none): a job's steps least slowed by other
+    work on this shared machine, which only ever adds time."""
+    ordered = sorted(v for v in values if math.isfinite(v))
+    return ordered[len(ordered) // 4] if ordered else math.nan
+
+
+def goal_met(ratio: float, goal: float, noise: float) -> str:
+    """'yes' when a throughput ratio reaches its goal, 'tie' when it falls short by less than the measured noise, else 'no'."""
+    if ratio >= goal:
+        return "yes"
+    return "tie" if ratio >= goal - noise else "no"
+
+
 def ranks(values: list[float]) -> list[float]:
     """1-based ranks, ties getting the mean of the ranks they span."""
     order = sorted(range(len(values)), key=lambda i: values[i])

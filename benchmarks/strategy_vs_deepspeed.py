@@ -29,6 +29,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.cost_model import goal_met, lower_quartile, round_noise  # noqa: E402  (stdlib only at import)
+
 STEPS, WARMUP, GBS = 60, 10, 32
 PLANS = {  # every key fixed: nothing left to plan
     "deepspeed": "dp=2,tp=1,pp=1,zero=2,mbs=16,gas=1,recompute=none,sp=false,vpp=1,offload=none,runtime=deepspeed",
@@ -211,7 +213,7 @@ def _timed_loop(step, out: Path, rank: int, world: int) -> None:
 def _spread(each_round: list[list[float]]) -> tuple[float, float, list[float]]:
     """(median of every step, its lower quartile, each round's median)."""
     every = sorted(s for steps in each_round for s in steps)
-    return statistics.median(every), every[len(every) // 4], [statistics.median(steps) for steps in each_round]
+    return statistics.median(every), lower_quartile(every), [statistics.median(steps) for steps in each_round]
 
 
 def _pin() -> None:
@@ -252,7 +254,7 @@ def verdict_line(label: str, bare_rounds: list[list[float]], fleet_rounds: list[
     bare_med, bare_low, bare_each = _spread(bare_rounds)
     fleet_med, fleet_low, fleet_each = _spread(fleet_rounds)
     ratio = bare_med / fleet_med
-    said = "goal met" if ratio >= goal else ("a tie within the measured noise" if ratio >= goal - noise else "**goal missed**")
+    said = {"yes": "goal met", "tie": "a tie within the measured noise", "no": "**goal missed**"}[goal_met(ratio, goal, noise)]
     paired = ", ".join(f"{b / f:.3f}" for b, f in zip(bare_each, fleet_each))
     return (f"**Throughput ratio FleetStrategy / {label}: {ratio:.3f}** by the medians, {bare_low / fleet_low:.3f} by the lower "
             f"quartiles, per round {paired}; run-to-run noise {noise * 100:.1f} % -- {said} (goal >= {goal:.2f}).")
@@ -260,8 +262,6 @@ def verdict_line(label: str, bare_rounds: list[list[float]], fleet_rounds: list[
 
 def main() -> None:
     import argparse
-
-    from benchmarks.cost_model import round_noise
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=6, help="rounds; every job runs once per round, the order reversed every other round")

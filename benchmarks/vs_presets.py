@@ -47,7 +47,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.cost_model import free_port, ranks, round_noise, spearman, worker_env  # noqa: E402  (stdlib only at import; the same statistics and worker setup as RESULTS.md)
+from benchmarks.cost_model import free_port, goal_met, lower_quartile, ranks, round_noise, spearman, worker_env  # noqa: E402  (stdlib only at import; the same statistics and worker setup as RESULTS.md)
 
 OUT = ROOT / "benchmarks" / "out" / "vs_presets"
 REPORT = ROOT / "benchmarks" / "VS_PRESETS.md"
@@ -117,7 +117,7 @@ class Outcome:
     round_step_s: tuple[float, ...] = ()
     """Each round's median step time, in round order (one value when it ran once)."""
     quiet_step_s: float = math.nan
-    """The lower quartile of every timed step of every round (:func:`lower_quartile`): the steps least slowed by other
+    """The lower quartile of every timed step of every round (:func:`benchmarks.cost_model.lower_quartile`): the steps least slowed by other
     work on this shared machine, which only ever adds time."""
 
     @property
@@ -158,12 +158,6 @@ def combine_rounds(rounds: list[dict]) -> dict:
     return combined
 
 
-def lower_quartile(values: list[float]) -> float:
-    """The value a quarter of the way up the sorted values (nan when there are none)."""
-    ordered = sorted(v for v in values if math.isfinite(v))
-    return ordered[len(ordered) // 4] if ordered else math.nan
-
-
 def round_order(strategies: tuple[str, ...], round_index: int) -> tuple[str, ...]:
     """The order strategies run in a round: as listed in even rounds, reversed in odd ones (first and last swap places, so
     no strategy always runs right after start-up or always last)."""
@@ -189,9 +183,7 @@ class Verdict:
     @property
     def met(self) -> str:
         """'yes' when fleet is at least as fast, 'tie' when it is slower by less than the noise, else 'no'."""
-        if self.ratio >= 1.0:
-            return "yes"
-        return "tie" if self.ratio >= 1.0 - self.noise else "no"
+        return goal_met(self.ratio, 1.0, self.noise)
 
     def line(self) -> str:
         """The report's sentence under the cell's table."""
